@@ -1,0 +1,275 @@
+"""The typed configuration of fastopt: every knob, grouped by concern.
+
+Each field has a one-line comment, an environment override ``FASTOPT_<GROUP>_<FIELD>`` (read once,
+when :func:`default_config` is first called) and appears in :meth:`Config.to_json`. Tests change
+knobs with :func:`patch`, never by mutating the global::
+
+    with fastopt.config.patch(sampler__threads=1):
+        ...
+
+This module imports nothing of fastopt but :mod:`fastopt.errors`; every layer may import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+from fastopt.errors import ConfigError
+
+__all__ = [
+    "SamplerConfig",
+    "CacheConfig",
+    "KernelsConfig",
+    "PipelineConfig",
+    "TrainConfig",
+    "TunerConfig",
+    "Config",
+    "default_config",
+    "patch",
+]
+
+
+@dataclass
+class SamplerConfig:
+    # sampler threads; 0 = one per available core
+    threads: int = 0
+    # graph reordering inside the sampler: "none", "degree" or "rcm" (reverse Cuthill-McKee)
+    reorder: str = "none"
+    # pin sampler threads to cores that share a cache, read from /sys/devices/system/cpu
+    pin_threads: bool = False
+    # treat every event as two directed edges (src->dst and dst->src)
+    undirected: bool = True
+
+
+@dataclass
+class CacheConfig:
+    # GPU cache budget as a fraction of the cached tables' bytes (0 = dedup only, 1 = all)
+    budget_fraction: float = 0.1
+    # eviction policy: "static", "lru", "future" (Belady with the sampler's lookahead) or "auto"
+    policy: str = "auto"
+    # dtype of static features on the wire and in the cache: "float32", "bfloat16" or "float16"
+    transfer_dtype: str = "float32"
+    # threads gathering cache misses into pinned staging buffers
+    gather_threads: int = 2
+
+
+@dataclass
+class KernelsConfig:
+    # use generated Triton kernels on CUDA (False: plain PyTorch references everywhere)
+    enabled: bool = True
+    # destination rows handled by one program (thread-mapping knob)
+    rows_per_program: int = 0
+    # heads handled by one program; 0 = all heads
+    heads_per_program: int = 0
+    # warps per program; 0 = heuristic per GPU
+    num_warps: int = 0
+    # software-pipelining stages; 0 = heuristic per GPU
+    num_stages: int = 0
+    # backward into indexed tables: "deterministic" (segmented reduction) or "atomic"
+    backward_mode: str = "deterministic"
+    # on-disk kernel cache; "" = ~/.cache/fastopt/kernels (or $XDG_CACHE_HOME)
+    cache_dir: str = ""
+
+
+@dataclass
+class PipelineConfig:
+    # batches sampled and staged ahead of the one being trained
+    prefetch_depth: int = 2
+    # run sampling in a background thread
+    async_sampling: bool = True
+
+
+@dataclass
+class TrainConfig:
+    # training epochs
+    epochs: int = 10
+    # positive events per mini-batch
+    batch_size: int = 200
+    # Adam learning rate
+    lr: float = 1e-4
+    # seed of every random choice (weights, negatives, sampling, dropout)
+    seed: int = 0
+    # "auto" (cuda if available), "cpu" or "cuda[:N]"
+    device: str = "auto"
+    # negatives per positive for MRR at evaluation (TGB style); 0 = skip MRR
+    mrr_negatives: int = 20
+    # width of deterministic random edge features for datasets without them (0 = none)
+    edge_dim: int = 0
+    # width of deterministic random node features for datasets without them (0 = none)
+    node_dim: int = 0
+
+
+@dataclass
+class TunerConfig:
+    # Optuna trials per study
+    trials: int = 40
+    # Optuna storage URL ("" = in memory)
+    storage: str = ""
+    # timed training steps per trial
+    steps_per_trial: int = 50
+
+
+@dataclass
+class Config:
+    """All knobs of fastopt, grouped by concern."""
+
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    tuner: TunerConfig = field(default_factory=TunerConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), indent=kwargs.pop("indent", 2), sort_keys=True, **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Config":
+        """Build a config from a (possibly partial) nested dict; unknown keys are errors."""
+        cfg = cls()
+        for group, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"config group {group!r} must be a mapping (got {values!r})")
+            for name, value in values.items():
+                cfg.set(f"{group}.{name}", value)
+        return cfg
+
+    @classmethod
+    def from_json(cls, text: str) -> "Config":
+        return cls.from_dict(json.loads(text))
+
+    def set(self, dotted: str, value: Any) -> None:
+        """Set ``group.field`` to ``value``, converting strings and checking the type."""
+        group_name, _, name = dotted.partition(".")
+        group = getattr(self, group_name, None)
+        if group is None or not dataclasses.is_dataclass(group):
+            raise ConfigError(
+                f"unknown config group {group_name!r}; known groups: {', '.join(_group_names())}"
+            )
+        fields = {f.name: f for f in dataclasses.fields(group)}
+        if name not in fields:
+            raise ConfigError(
+                f"unknown config field {dotted!r}; fields of {group_name}: {', '.join(fields)}"
+            )
+        ftype = typing.get_type_hints(type(group))[name]
+        setattr(group, name, _coerce(dotted, value, ftype))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first value outside its range."""
+        _check(self.sampler.threads >= 0, "sampler.threads", self.sampler.threads, ">= 0 (0 = all cores)")
+        _check(self.sampler.reorder in ("none", "degree", "rcm"), "sampler.reorder",
+               self.sampler.reorder, "one of 'none', 'degree', 'rcm'")
+        _check(0.0 <= self.cache.budget_fraction <= 1.0, "cache.budget_fraction",
+               self.cache.budget_fraction, "in [0, 1]")
+        _check(self.cache.policy in ("static", "lru", "future", "auto"), "cache.policy",
+               self.cache.policy, "one of 'static', 'lru', 'future', 'auto'")
+        _check(self.cache.transfer_dtype in ("float32", "bfloat16", "float16"), "cache.transfer_dtype",
+               self.cache.transfer_dtype, "one of 'float32', 'bfloat16', 'float16'")
+        _check(self.cache.gather_threads >= 1, "cache.gather_threads", self.cache.gather_threads, ">= 1")
+        _check(self.kernels.backward_mode in ("deterministic", "atomic"), "kernels.backward_mode",
+               self.kernels.backward_mode, "'deterministic' or 'atomic'")
+        for knob in ("rows_per_program", "heads_per_program", "num_warps", "num_stages"):
+            value = getattr(self.kernels, knob)
+            _check(value >= 0, f"kernels.{knob}", value, ">= 0 (0 = heuristic)")
+        _check(self.pipeline.prefetch_depth >= 0, "pipeline.prefetch_depth", self.pipeline.prefetch_depth, ">= 0")
+        _check(self.train.epochs >= 1, "train.epochs", self.train.epochs, ">= 1")
+        _check(self.train.batch_size >= 1, "train.batch_size", self.train.batch_size, ">= 1")
+        _check(self.train.lr > 0, "train.lr", self.train.lr, "> 0")
+        _check(self.train.mrr_negatives >= 0, "train.mrr_negatives", self.train.mrr_negatives, ">= 0")
+        _check(self.train.edge_dim >= 0, "train.edge_dim", self.train.edge_dim, ">= 0")
+        _check(self.train.node_dim >= 0, "train.node_dim", self.train.node_dim, ">= 0")
+        _check(self.tuner.trials >= 1, "tuner.trials", self.tuner.trials, ">= 1")
+
+    def copy(self) -> "Config":
+        return copy.deepcopy(self)
+
+
+def _group_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(Config)]
+
+
+def _check(ok: bool, name: str, value: Any, limit: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} must be {limit} (got {value!r}); set a value in that range")
+
+
+def _coerce(name: str, value: Any, ftype: Any) -> Any:
+    origin = typing.get_origin(ftype)
+    if origin is typing.Union:  # Optional[T]
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none")):
+            return None
+        ftype = next(a for a in typing.get_args(ftype) if a is not type(None))
+    try:
+        if ftype is bool:
+            if isinstance(value, str):
+                low = value.strip().lower()
+                if low in ("1", "true", "yes", "on"):
+                    return True
+                if low in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            if isinstance(value, (bool, int)) and value in (0, 1):
+                return bool(value)
+            raise ValueError(value)
+        if ftype is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if ftype is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if ftype is str:
+            if not isinstance(value, str):
+                raise ValueError(value)
+            return value
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"{name} must be of type {getattr(ftype, '__name__', ftype)} (got {value!r})"
+        ) from None
+    return value
+
+
+def _from_env(cfg: Config, environ: dict) -> Config:
+    for group in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, group.name)):
+            key = f"FASTOPT_{group.name}_{f.name}".upper()
+            if key in environ:
+                cfg.set(f"{group.name}.{f.name}", environ[key])
+    return cfg
+
+
+_DEFAULT: Optional[Config] = None
+
+
+def default_config() -> Config:
+    """The process-wide defaults: dataclass defaults overridden by ``FASTOPT_*`` variables."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = _from_env(Config(), dict(os.environ))
+    return _DEFAULT
+
+
+@contextlib.contextmanager
+def patch(**changes: Any) -> Iterator[Config]:
+    """Temporarily change defaults: ``patch(sampler__threads=1, cache__policy="lru")``."""
+    cfg = default_config()
+    saved = copy.deepcopy(cfg)
+    try:
+        for key, value in changes.items():
+            cfg.set(key.replace("__", ".", 1), value)
+        yield cfg
+    finally:
+        for group in dataclasses.fields(cfg):
+            setattr(cfg, group.name, getattr(saved, group.name))

@@ -1,0 +1,3 @@
+"""fastopt.passes: torch.fx tracing and rewrites onto fastopt.codegen operators."""
+
+__all__: list = []
