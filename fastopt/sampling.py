@@ -1,0 +1,160 @@
+"""The NumPy reference temporal neighbor sampler: the test oracle for every faster sampler.
+
+It is vectorized (no Python loop over roots) so that it can also drive CPU training, but it
+favours obvious correctness over speed. Semantics shared with :class:`fastopt.runtime.TemporalSampler`:
+
+* candidates of a root ``(v, t)`` are the events touching ``v`` with timestamp strictly before
+  ``t`` (with ``undirected=True`` an event ``u -> w`` is a neighbor of both endpoints);
+* ``"recent"`` returns the ``k`` latest candidates, newest first (ties in time broken by the
+  later edge id first);
+* ``"uniform"`` returns all candidates when there are at most ``k``, else ``k`` draws with
+  replacement;
+* layer ``l + 1`` samples around layer ``l``'s neighbors, each at its own edge's timestamp;
+  padded neighbors yield fully masked rows.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from fastopt.errors import SamplerError
+from fastopt.runtime.blocks import SampledBatch, TemporalBlock, Unique
+
+__all__ = ["NumpySampler", "check_roots", "check_fanouts"]
+
+STRATEGIES = ("recent", "uniform")
+
+
+def check_fanouts(fanouts: Sequence[int], strategy: str) -> list:
+    """Validate the sampler's layer widths and strategy (shared by every sampler)."""
+    fanouts = list(fanouts)
+    for k in fanouts:
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
+            raise SamplerError(f"fanout {k!r} must be a positive integer; use e.g. fanouts=[10]")
+    if strategy not in STRATEGIES:
+        raise SamplerError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+    return fanouts
+
+
+def check_roots(roots, times, num_nodes: int):
+    """Convert roots/times to int64/float64 NumPy arrays, raising on out-of-range or NaN input."""
+    roots = roots.cpu().numpy() if isinstance(roots, torch.Tensor) else np.asarray(roots)
+    times = times.cpu().numpy() if isinstance(times, torch.Tensor) else np.asarray(times)
+    if roots.ndim != 1 or times.ndim != 1 or roots.shape != times.shape:
+        raise SamplerError(f"roots and times must be 1-d and of one length (got shapes {roots.shape} "
+                           f"and {times.shape}); pass one time per root")
+    if roots.dtype.kind not in "iu":
+        if roots.dtype.kind == "f" and roots.size and (roots == np.floor(roots)).all():
+            pass  # integral floats convert without loss
+        elif roots.size:
+            raise SamplerError(f"roots must be integer node ids (got dtype {roots.dtype}); pass an "
+                               f"int64 array")
+    roots = roots.astype(np.int64, copy=False)
+    if roots.size and (roots.min() < 0 or roots.max() >= num_nodes):
+        bad = roots.min() if roots.min() < 0 else roots.max()
+        raise SamplerError(f"root id {bad} is outside [0, num_nodes={num_nodes}); pass node ids of "
+                           f"the sampled graph")
+    if times.dtype.kind not in "iuf":
+        raise SamplerError(f"times must be numeric (got dtype {times.dtype})")
+    times = times.astype(np.float64, copy=False)
+    if times.size and not np.isfinite(times).all():
+        bad = times[~np.isfinite(times)][0]
+        raise SamplerError(f"root time {bad} is not finite; pass finite timestamps")
+    return roots, times
+
+
+class NumpySampler:
+    """Reference temporal sampler over a :class:`~fastopt.data.TemporalGraph`.
+
+    Args:
+        graph: the event stream (``src``, ``dst``, ``ts``, ``num_nodes``).
+        fanouts: neighbors per layer, outermost first, e.g. ``[10, 10]``.
+        strategy: ``"recent"`` or ``"uniform"``.
+        seed: seed of uniform draws.
+        undirected: add each event as a neighbor of both endpoints.
+        limit: use only events ``[0, limit)`` (default: all).
+    """
+
+    def __init__(self, graph, fanouts: Sequence[int] = (10,), strategy: str = "recent",
+                 seed: int = 0, undirected: bool = True, limit: int | None = None) -> None:
+        self.fanouts = check_fanouts(fanouts, strategy)
+        self.strategy = strategy
+        self.num_nodes = int(graph.num_nodes)
+        self._rng = np.random.default_rng(seed)
+        n = graph.num_events if limit is None else int(limit)
+        src, dst, ts = graph.src[:n], graph.dst[:n], graph.ts[:n]
+        eid = np.arange(n, dtype=np.int64)
+        if undirected:
+            node = np.concatenate([src, dst])
+            nbr = np.concatenate([dst, src])
+            ets = np.concatenate([ts, ts])
+            eid = np.concatenate([eid, eid])
+        else:
+            node, nbr, ets = src, dst, ts
+        order = np.lexsort((eid, ets, node))
+        self.node, self.nbr, self.ets, self.eid = node[order], nbr[order], ets[order], eid[order]
+        self.indptr = np.zeros(self.num_nodes + 1, dtype=np.int64)
+        np.cumsum(np.bincount(self.node, minlength=self.num_nodes), out=self.indptr[1:])
+        self._utimes = np.unique(self.ets)
+        self._radix = np.int64(self._utimes.size + 1)
+        self._keys = self.node * self._radix + np.searchsorted(self._utimes, self.ets)
+
+    def reset(self) -> None:
+        """Start a new epoch (the reference sampler keeps no per-epoch state)."""
+
+    def sample(self, roots, times) -> SampledBatch:
+        """Sample every layer for ``roots`` at ``times``."""
+        roots, times = check_roots(roots, times, self.num_nodes)
+        blocks = []
+        dst, dst_t, valid = roots, times, np.ones(roots.shape[0], dtype=bool)
+        for k in self.fanouts:
+            block = self._sample_layer(dst, dst_t, valid, k)
+            blocks.append(block)
+            dst = block.nbr_nodes.numpy().reshape(-1)
+            dst_t = block.nbr_times.numpy().reshape(-1)
+            valid = block.mask.numpy().reshape(-1)
+        all_nodes = torch.cat([torch.from_numpy(roots)] + [b.nbr_nodes.reshape(-1) for b in blocks])
+        all_eids = torch.cat([b.nbr_eids.reshape(-1) for b in blocks]) if blocks else torch.empty(0, dtype=torch.int64)
+        return SampledBatch(torch.from_numpy(roots), torch.from_numpy(times), blocks,
+                            Unique.of(all_nodes), Unique.of(all_eids))
+
+    def candidates(self, dst: np.ndarray, dst_t: np.ndarray) -> tuple:
+        """T-CSR range ``[start, end)`` of events of each ``dst`` strictly before its time."""
+        start = self.indptr[dst]
+        rank = np.searchsorted(self._utimes, dst_t, side="left")
+        end = np.searchsorted(self._keys, dst * self._radix + rank, side="left")
+        return start, end
+
+    def _sample_layer(self, dst, dst_t, valid, k) -> TemporalBlock:
+        m = dst.shape[0]
+        start, end = self.candidates(dst, dst_t)
+        avail = np.where(valid, end - start, 0)
+        cnt = np.minimum(avail, k)
+        col = np.arange(k)[None, :]
+        mask = col < cnt[:, None]
+        if self.strategy == "recent":
+            pos = end[:, None] - 1 - col
+        else:
+            draw = self._rng.random((m, k))
+            pos = np.where(avail[:, None] <= k, start[:, None] + col,
+                           start[:, None] + (draw * avail[:, None]).astype(np.int64))
+        pos = np.where(mask, pos, 0)
+        nbr = np.where(mask, self.nbr[pos] if self.nbr.size else 0, 0)
+        eid = np.where(mask, self.eid[pos] if self.eid.size else -1, -1)
+        nts = np.where(mask, self.ets[pos] if self.ets.size else 0.0, 0.0)
+        dt = np.where(mask, dst_t[:, None] - nts, 0.0).astype(np.float32)
+        indptr = np.zeros(m + 1, dtype=np.int64)
+        np.cumsum(cnt, out=indptr[1:])
+        nbr_t = torch.from_numpy(np.ascontiguousarray(nbr, dtype=np.int64))
+        eid_t = torch.from_numpy(np.ascontiguousarray(eid, dtype=np.int64))
+        return TemporalBlock(
+            dst_nodes=torch.from_numpy(np.ascontiguousarray(dst, dtype=np.int64)),
+            dst_times=torch.from_numpy(np.ascontiguousarray(dst_t, dtype=np.float64)),
+            nbr_nodes=nbr_t, nbr_eids=eid_t,
+            nbr_times=torch.from_numpy(np.ascontiguousarray(nts)),
+            dt=torch.from_numpy(dt), mask=torch.from_numpy(mask), indptr=torch.from_numpy(indptr),
+            unique_nodes=Unique.of(nbr_t), unique_eids=Unique.of(eid_t),
+        )
