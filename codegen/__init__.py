@@ -1,6 +1,39 @@
 """fastopt.codegen: fused temporal-attention / aggregation operators and their generated kernels.
 
+Public surface (stable signatures; the fx passes rewrite onto these):
+
+- :func:`temporal_attention` ``(q, k, v, mask=None, indptr=None, *, k_index=None, v_index=None,
+  scale=None, dropout_p=0.0, seed=0)``
+- :func:`time_encoded_attention` ``(q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj,
+  mask=None, indptr=None, *, k_index=None, v_index=None, scale=None, dropout_p=0.0, seed=0)``
+- :func:`masked_aggregate` ``(x, mask=None, indptr=None, *, index=None, reduce="mean")``
+- :func:`time_encode` ``(dt, w, b)``
+
+Each is a ``torch.library`` custom op (``torch.ops.fastopt.*``) with autograd and a fake
+implementation; :mod:`fastopt.codegen.reference` holds the plain-PyTorch reference of each, which
+is the CPU path and the test oracle.
+
+Layout: ``reference.py`` (oracles), ``checks.py`` (input validation), ``ops.py`` (custom ops,
+backend choice), ``kernels.py`` (specialization and launch), ``kernel_config.py`` (thread mapping),
+``cache.py`` (content-addressed kernel cache), ``templates/*.py.jinja`` (one per kernel family).
+
 Layering: imports nothing of fastopt but :mod:`fastopt.config` and :mod:`fastopt.errors`.
 """
 
-__all__: list = []
+from fastopt.codegen import reference
+from fastopt.codegen.ops import (
+    masked_aggregate,
+    select_backend,
+    temporal_attention,
+    time_encode,
+    time_encoded_attention,
+)
+
+__all__ = [
+    "temporal_attention",
+    "time_encoded_attention",
+    "masked_aggregate",
+    "time_encode",
+    "select_backend",
+    "reference",
+]

@@ -76,6 +76,10 @@ class KernelsConfig:
     backward_mode: str = "deterministic"
     # on-disk kernel cache; "" = ~/.cache/fastopt/kernels (or $XDG_CACHE_HOME)
     cache_dir: str = ""
+    # "auto" (Triton on CUDA, references on CPU), "triton" (also on CPU under TRITON_INTERPRET=1) or "reference"
+    backend: str = "auto"
+    # check index ranges and CSR counts of fused-op inputs (one device sync per call on CUDA)
+    check_inputs: bool = True
 
 
 @dataclass
@@ -179,6 +183,8 @@ class Config:
         _check(self.cache.gather_threads >= 1, "cache.gather_threads", self.cache.gather_threads, ">= 1")
         _check(self.kernels.backward_mode in ("deterministic", "atomic"), "kernels.backward_mode",
                self.kernels.backward_mode, "'deterministic' or 'atomic'")
+        _check(self.kernels.backend in ("auto", "triton", "reference"), "kernels.backend",
+               self.kernels.backend, "one of 'auto', 'triton', 'reference'")
         for knob in ("rows_per_program", "heads_per_program", "num_warps", "num_stages"):
             value = getattr(self.kernels, knob)
             _check(value >= 0, f"kernels.{knob}", value, ">= 0 (0 = heuristic)")

@@ -1,0 +1,415 @@
+"""The public fused operators, registered as ``torch.library`` custom ops (namespace ``fastopt``).
+
+Each operator is one custom op with a fake (meta) implementation and an autograd formula whose
+backward is itself a custom op, so ``torch.compile``, fx and ``gradcheck`` see a single node:
+
+=====================================  ==========================================================
+``fastopt::temporal_attention``        ``(out [M, H, d], lse [M, H])``
+``fastopt::temporal_attention_backward``  ``(dq, dk, dv)``, dk/dv summed into table rows if indexed
+``fastopt::time_encoded_attention``    as above, keys/values plus a time-encoding prologue
+``fastopt::masked_aggregate``          ``out [M, F...]`` and its backward
+``fastopt::time_encode``               ``cos(dt w + b)`` and its backward
+=====================================  ==========================================================
+
+Backend choice (:func:`select_backend`), read from ``config.kernels`` at call time: ``backend =
+"auto"`` runs the generated Triton kernels on CUDA tensors and the references of
+:mod:`fastopt.codegen.reference` on CPU tensors; ``"triton"`` runs the kernels everywhere (on the
+CPU through the Triton interpreter, ``TRITON_INTERPRET=1``: how CI tests the kernels);
+``"reference"`` (or ``enabled = False``) runs the references everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from fastopt.codegen import checks, reference
+from fastopt.config import default_config
+from fastopt.errors import KernelError
+
+__all__ = [
+    "temporal_attention",
+    "time_encoded_attention",
+    "masked_aggregate",
+    "time_encode",
+    "select_backend",
+]
+
+Optional_ = Optional[Tensor]
+
+
+def select_backend(t: Tensor) -> str:
+    """``"triton"`` or ``"reference"`` for an operator whose inputs live where ``t`` lives."""
+    cfg = default_config().kernels
+    if not cfg.enabled or cfg.backend == "reference":
+        return "reference"
+    if cfg.backend == "auto":
+        return "triton" if t.is_cuda else "reference"
+    if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise KernelError(
+            f"kernels.backend='triton' on a {t.device} tensor needs the Triton interpreter; set "
+            f"TRITON_INTERPRET=1 before importing triton, or use backend 'auto'"
+        )
+    return "triton"
+
+
+def _kernels():
+    # Imported on first use: the reference path must work where triton is not installed.
+    from fastopt.codegen import kernels
+
+    return kernels
+
+
+def _scale(q: Tensor, scale: Optional[float]) -> float:
+    return float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# temporal attention
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fastopt::temporal_attention", mutates_args=())
+def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional_, indptr: Optional_,
+               k_index: Optional_, v_index: Optional_, scale: float, dropout_p: float,
+               seed: int) -> Tuple[Tensor, Tensor]:
+    args = (q, k, v, mask, indptr)
+    kwargs = dict(k_index=k_index, v_index=v_index, scale=scale, dropout_p=dropout_p, seed=seed)
+    if select_backend(q) == "triton":
+        return _kernels().attention_forward(*args, **kwargs)
+    out, lse = reference.temporal_attention_forward(*args, **kwargs)
+    return out, lse.float() if q.dtype != torch.float64 else lse
+
+
+@_attention.register_fake
+def _attention_fake(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p, seed):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=lse_dtype)
+
+
+@torch.library.custom_op("fastopt::temporal_attention_backward", mutates_args=())
+def _attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                        lse: Tensor, mask: Optional_, indptr: Optional_, k_index: Optional_,
+                        v_index: Optional_, scale: float, dropout_p: float,
+                        seed: int) -> Tuple[Tensor, Tensor, Tensor]:
+    args = (grad_out, q, k, v, out, lse, mask, indptr)
+    kwargs = dict(k_index=k_index, v_index=v_index, scale=scale, dropout_p=dropout_p, seed=seed)
+    if select_backend(q) == "triton":
+        return _kernels().attention_backward(*args, **kwargs)
+    return reference.temporal_attention_backward(*args, **kwargs)
+
+
+@_attention_backward.register_fake
+def _attention_backward_fake(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_index, scale,
+                             dropout_p, seed):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, mask, indptr, k_index, v_index, scale, dropout_p, seed = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, mask, indptr, k_index, v_index)
+    ctx.hyper = (scale, dropout_p, seed)
+    ctx.mark_non_differentiable(lse)
+
+
+def _attention_grad(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, mask, indptr, k_index, v_index = ctx.saved_tensors
+    dq, dk, dv = torch.ops.fastopt.temporal_attention_backward(
+        grad_out.contiguous(), q, k, v, out, lse, mask, indptr, k_index, v_index, *ctx.hyper)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_attention.register_autograd(_attention_grad, setup_context=_attention_setup)
+
+
+def temporal_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Optional[Tensor] = None,
+    indptr: Optional[Tensor] = None,
+    *,
+    k_index: Optional[Tensor] = None,
+    v_index: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+) -> Tensor:
+    """Fused temporal attention: gather neighbors, score, edge softmax, weighted sum.
+
+    Args:
+        q: Queries ``[M, H, d]`` (float32 default; float16/bfloat16 accumulate in float32).
+        k: Keys, dense ``[M, K, H, d]`` or a table ``[U, H, d]`` addressed by ``k_index``.
+        v: Values, dense ``[M, K, H, d]`` or a table ``[U, H, d]`` addressed by ``v_index``.
+        mask: Valid neighbor slots ``[M, K]`` (bool); exclusive with ``indptr``.
+        indptr: CSR offsets ``[M + 1]``: row ``m`` has its first ``indptr[m+1]-indptr[m]`` slots
+            valid (the sampler's padded layout).
+        k_index: Table rows of the keys ``[M, K]`` (int32/int64); the expanded keys are never built.
+        v_index: Table rows of the values ``[M, K]`` (int32/int64).
+        scale: Score scale; default ``1 / sqrt(d)``.
+        dropout_p: Probability of dropping an attention weight; kept weights scale by ``1/(1-p)``.
+        seed: Philox key of the dropout draws, ``0 <= seed < 2**31``; one seed, one mask.
+
+    Returns:
+        ``[M, H, d]`` in the dtype of ``q``; rows without a valid neighbor are zeros.
+
+    Raises:
+        KernelError: on shapes, dtypes, devices or index values that do not fit.
+    """
+    checks.check_attention(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p, seed)
+    out, _ = torch.ops.fastopt.temporal_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), mask, indptr, k_index, v_index,
+        _scale(q, scale), float(dropout_p), int(seed))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# time-encoded attention
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fastopt::time_encoded_attention", mutates_args=())
+def _te_attention(q: Tensor, k: Tensor, v: Tensor, dt: Tensor, time_w: Tensor, time_b: Tensor,
+                  k_time_proj: Tensor, v_time_proj: Tensor, mask: Optional_, indptr: Optional_,
+                  k_index: Optional_, v_index: Optional_, scale: float, dropout_p: float,
+                  seed: int) -> Tuple[Tensor, Tensor]:
+    args = (q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj, mask, indptr)
+    kwargs = dict(k_index=k_index, v_index=v_index, scale=scale, dropout_p=dropout_p, seed=seed)
+    if select_backend(q) == "triton":
+        return _kernels().time_encoded_attention_forward(*args, **kwargs)
+    out, lse = reference.time_encoded_attention_forward(*args, **kwargs)
+    return out, lse.float() if q.dtype != torch.float64 else lse
+
+
+@_te_attention.register_fake
+def _te_attention_fake(q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj, mask, indptr,
+                       k_index, v_index, scale, dropout_p, seed):
+    return _attention_fake(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p, seed)
+
+
+@torch.library.custom_op("fastopt::time_encoded_attention_backward", mutates_args=())
+def _te_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, dt: Tensor,
+                           time_w: Tensor, time_b: Tensor, k_time_proj: Tensor,
+                           v_time_proj: Tensor, out: Tensor, lse: Tensor, mask: Optional_,
+                           indptr: Optional_, k_index: Optional_, v_index: Optional_,
+                           scale: float, dropout_p: float, seed: int) -> List[Tensor]:
+    args = (grad_out, q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj, out, lse, mask,
+            indptr)
+    kwargs = dict(k_index=k_index, v_index=v_index, scale=scale, dropout_p=dropout_p, seed=seed)
+    if select_backend(q) == "triton":
+        return list(_kernels().time_encoded_attention_backward(*args, **kwargs))
+    return list(reference.time_encoded_attention_backward(*args, **kwargs))
+
+
+@_te_attention_backward.register_fake
+def _te_attention_backward_fake(grad_out, q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj,
+                                out, lse, mask, indptr, k_index, v_index, scale, dropout_p, seed):
+    return [torch.empty_like(t) for t in (q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj)]
+
+
+def _te_attention_setup(ctx, inputs, output):
+    (q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj, mask, indptr, k_index, v_index,
+     scale, dropout_p, seed) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj, out, lse, mask,
+                          indptr, k_index, v_index)
+    ctx.hyper = (scale, dropout_p, seed)
+    ctx.mark_non_differentiable(lse)
+
+
+def _te_attention_grad(ctx, grad_out, _grad_lse):
+    saved = ctx.saved_tensors
+    grads = torch.ops.fastopt.time_encoded_attention_backward(
+        grad_out.contiguous(), *saved, *ctx.hyper)
+    return (*grads, None, None, None, None, None, None, None)
+
+
+_te_attention.register_autograd(_te_attention_grad, setup_context=_te_attention_setup)
+
+
+def time_encoded_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dt: Tensor,
+    time_w: Tensor,
+    time_b: Tensor,
+    k_time_proj: Tensor,
+    v_time_proj: Tensor,
+    mask: Optional[Tensor] = None,
+    indptr: Optional[Tensor] = None,
+    *,
+    k_index: Optional[Tensor] = None,
+    v_index: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+) -> Tensor:
+    """Temporal attention whose keys and values get a time encoding added in a fused prologue.
+
+    ``k_mj = k[m, j] (or k[k_index[m, j]]) + cos(dt[m, j] * time_w + time_b) @ k_time_proj``,
+    likewise for values; the ``[M, K, T]`` encoding is never written to memory. This is TGAT's
+    key/value projection of ``[x_j ; e_j ; phi(dt_j)]`` with the node/edge part projected once per
+    unique table row by the caller. See :func:`fastopt.codegen.reference.time_encoded_attention`.
+
+    Args:
+        q, k, v, mask, indptr, k_index, v_index, scale, dropout_p, seed: As in
+            :func:`temporal_attention`.
+        dt: Time since each neighbor's event ``[M, K]``.
+        time_w: Time-encoding frequencies ``[T]``.
+        time_b: Time-encoding phases ``[T]``.
+        k_time_proj: ``[T, H, d]`` projection of the encoding onto keys.
+        v_time_proj: ``[T, H, d]`` projection of the encoding onto values.
+
+    Returns:
+        ``[M, H, d]`` in the dtype of ``q``.
+    """
+    layout = checks.check_attention(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p,
+                                    seed)
+    checks.check_time_projection(q, dt, time_w, time_b, k_time_proj, v_time_proj, layout)
+    out, _ = torch.ops.fastopt.time_encoded_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), dt.contiguous(), time_w.contiguous(),
+        time_b.contiguous(), k_time_proj.contiguous(), v_time_proj.contiguous(), mask, indptr,
+        k_index, v_index, _scale(q, scale), float(dropout_p), int(seed))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# masked aggregation
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fastopt::masked_aggregate", mutates_args=())
+def _aggregate(x: Tensor, mask: Optional_, indptr: Optional_, index: Optional_,
+               reduce: str) -> Tensor:
+    if select_backend(x) == "triton":
+        return _kernels().aggregate_forward(x, mask, indptr, index=index, reduce=reduce)
+    return reference.masked_aggregate(x, mask, indptr, index=index, reduce=reduce)
+
+
+@_aggregate.register_fake
+def _aggregate_fake(x, mask, indptr, index, reduce):
+    rows = x.shape[0] if index is None else index.shape[0]
+    features = x.shape[2:] if index is None else x.shape[1:]
+    return x.new_empty((rows, *features))
+
+
+@torch.library.custom_op("fastopt::masked_aggregate_backward", mutates_args=())
+def _aggregate_backward(grad_out: Tensor, x: Tensor, mask: Optional_, indptr: Optional_,
+                        index: Optional_, reduce: str) -> Tensor:
+    if select_backend(x) == "triton":
+        return _kernels().aggregate_backward(grad_out, x, mask, indptr, index=index, reduce=reduce)
+    return reference.masked_aggregate_backward(grad_out, x, mask, indptr, index=index,
+                                               reduce=reduce)
+
+
+@_aggregate_backward.register_fake
+def _aggregate_backward_fake(grad_out, x, mask, indptr, index, reduce):
+    return torch.empty_like(x)
+
+
+def _aggregate_setup(ctx, inputs, output):
+    x, mask, indptr, index, reduce = inputs
+    ctx.save_for_backward(x, mask, indptr, index)
+    ctx.reduce = reduce
+
+
+def _aggregate_grad(ctx, grad_out):
+    x, mask, indptr, index = ctx.saved_tensors
+    dx = torch.ops.fastopt.masked_aggregate_backward(grad_out.contiguous(), x, mask, indptr, index,
+                                                     ctx.reduce)
+    return dx, None, None, None, None
+
+
+_aggregate.register_autograd(_aggregate_grad, setup_context=_aggregate_setup)
+
+
+def masked_aggregate(
+    x: Tensor,
+    mask: Optional[Tensor] = None,
+    indptr: Optional[Tensor] = None,
+    *,
+    index: Optional[Tensor] = None,
+    reduce: str = "mean",
+) -> Tensor:
+    """Sum or mean of each destination's valid neighbor rows, gathered by index if given.
+
+    Args:
+        x: Neighbor features, dense ``[M, K, F...]`` or a table ``[U, F...]`` when ``index`` is
+            given (the expanded ``[M, K, F...]`` is never built).
+        mask: Valid neighbor slots ``[M, K]`` (bool); exclusive with ``indptr``.
+        indptr: CSR offsets ``[M + 1]`` (first slots of each row valid).
+        index: Table rows ``[M, K]`` (int32/int64).
+        reduce: ``"mean"`` (over valid slots) or ``"sum"``.
+
+    Returns:
+        ``[M, F...]`` in the dtype of ``x``; rows without a valid neighbor are zeros.
+
+    Raises:
+        KernelError: on shapes, dtypes, devices or index values that do not fit.
+    """
+    checks.check_aggregate(x, mask, indptr, index, reduce)
+    return torch.ops.fastopt.masked_aggregate(x.contiguous(), mask, indptr, index, reduce)
+
+
+# ----------------------------------------------------------------------------------------------
+# time encoding
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fastopt::time_encode", mutates_args=())
+def _time_encode(dt: Tensor, w: Tensor, b: Tensor) -> Tensor:
+    if select_backend(dt) == "triton":
+        return _kernels().time_encode_forward(dt, w, b)
+    return reference.time_encode(dt, w, b)
+
+
+@_time_encode.register_fake
+def _time_encode_fake(dt, w, b):
+    return w.new_empty((*dt.shape, w.shape[0]))
+
+
+@torch.library.custom_op("fastopt::time_encode_backward", mutates_args=())
+def _time_encode_backward(grad_out: Tensor, dt: Tensor, w: Tensor,
+                          b: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    if select_backend(dt) == "triton":
+        return _kernels().time_encode_backward(grad_out, dt, w, b)
+    return reference.time_encode_backward(grad_out, dt, w, b)
+
+
+@_time_encode_backward.register_fake
+def _time_encode_backward_fake(grad_out, dt, w, b):
+    return torch.empty_like(dt), torch.empty_like(w), torch.empty_like(b)
+
+
+def _time_encode_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _time_encode_grad(ctx, grad_out):
+    return torch.ops.fastopt.time_encode_backward(grad_out.contiguous(), *ctx.saved_tensors)
+
+
+_time_encode.register_autograd(_time_encode_grad, setup_context=_time_encode_setup)
+
+
+def time_encode(dt: Tensor, w: Tensor, b: Tensor) -> Tensor:
+    """Harmonic time encoding ``cos(dt[..., None] * w + b)`` (TGAT's functional encoding).
+
+    Args:
+        dt: Time differences ``[...]``.
+        w: Frequencies ``[T]``.
+        b: Phases ``[T]``.
+
+    Returns:
+        ``[..., T]`` in the dtype of ``w``.
+
+    Raises:
+        KernelError: on dtypes, shapes or devices that do not fit.
+    """
+    checks.check_time_encode(dt, w, b)
+    return torch.ops.fastopt.time_encode(dt.contiguous(), w.contiguous(), b.contiguous())
