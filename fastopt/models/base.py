@@ -1,0 +1,84 @@
+"""The interface between the trainer and a TGNN: what a model receives and what it must provide."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+from torch import nn
+
+from fastopt.models.layers import EdgePredictor
+
+__all__ = ["GraphInputs", "TGNNModel"]
+
+
+@dataclass
+class GraphInputs:
+    """Sampled neighborhoods of a batch of roots, gathered and on the model's device.
+
+    ``nodes[0]``/``times[0]`` are the roots; ``nodes[i + 1]`` are the neighbors sampled in layer
+    ``i`` (flattened ``[len(nodes[i]) * k_i]``). Layer ``i`` also has ``dt[i]``, ``mask[i]`` and
+    ``edge_feat[i]`` (``[len(nodes[i]), k_i, d_edge]``). ``node_feat[i]`` holds the features of
+    ``nodes[i]`` (zero width when the graph has none).
+    """
+
+    nodes: List[torch.Tensor]
+    times: List[torch.Tensor]
+    node_feat: List[torch.Tensor]
+    edge_feat: List[torch.Tensor]
+    dt: List[torch.Tensor]
+    mask: List[torch.Tensor]
+
+    @property
+    def num_roots(self) -> int:
+        return int(self.nodes[0].shape[0])
+
+
+class TGNNModel(nn.Module):
+    """Base of the reference models.
+
+    Subclasses set ``fanouts`` (neighbors per layer, ``[]`` for none) and ``strategy``
+    (``"recent"`` or ``"uniform"``), and implement :meth:`embed`. Memory-based models also
+    implement :meth:`reset_state` and :meth:`commit`.
+    """
+
+    fanouts: List[int] = []
+    strategy: str = "recent"
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+        self.predictor = EdgePredictor(dim)
+
+    def embed(self, inputs: GraphInputs) -> torch.Tensor:
+        """Embeddings ``[num_roots, dim]`` of the roots at their times."""
+        raise NotImplementedError
+
+    def propagate(self, h: List[torch.Tensor], inputs: GraphInputs) -> torch.Tensor:
+        """Run ``self.layers`` over node sets ``S_0..S_L``: ``h^j(S_i) = layer_j(h^{j-1}(S_i), h^{j-1}(S_{i+1}))``.
+
+        ``h[i]`` holds the layer-0 representation of ``inputs.nodes[i]``; returns ``h^L(S_0)``.
+        """
+        num_layers = len(self.fanouts)
+        for j, layer in enumerate(self.layers):
+            h = [
+                layer(h[i], h[i + 1].view(h[i].shape[0], self.fanouts[i], -1), inputs.edge_feat[i],
+                      inputs.dt[i], inputs.mask[i])
+                for i in range(num_layers - j)
+            ]
+        return h[0]
+
+    def forward(self, inputs: GraphInputs) -> torch.Tensor:
+        return self.embed(inputs)
+
+    def score(self, h_src: torch.Tensor, h_dst: torch.Tensor) -> torch.Tensor:
+        """Link logits for pairs of embeddings."""
+        return self.predictor(h_src, h_dst)
+
+    def reset_state(self) -> None:
+        """Forget the dynamic state (start of an epoch). Stateless models do nothing."""
+
+    def commit(self, src: torch.Tensor, dst: torch.Tensor, ts: torch.Tensor,
+               edge_feat: torch.Tensor) -> None:
+        """Write back the state after a batch of positive events has been trained on."""

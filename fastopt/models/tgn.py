@@ -1,0 +1,85 @@
+"""TGN (Rossi et al., 2020): GRU node memory, last-message mailbox, temporal graph attention."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fastopt.models.base import GraphInputs, TGNNModel
+from fastopt.models.layers import MultiheadTemporalAttention, TimeEncode
+from fastopt.models.memory import NodeMemory
+
+__all__ = ["MemoryModel", "TGN"]
+
+
+class MemoryModel(TGNNModel):
+    """Shared memory plumbing: a mail is ``[memory of self, memory of other, edge features]``.
+
+    Subclasses provide ``self.updater(nodes, memory_module) -> updated memory`` semantics through
+    :meth:`updated_memory`, and use it in :meth:`embed`.
+    """
+
+    def __init__(self, num_nodes: int, edge_dim: int, memory_dim: int, dim: int, slots: int = 1) -> None:
+        super().__init__(dim)
+        self.memory = NodeMemory(num_nodes, memory_dim, 2 * memory_dim + edge_dim, slots)
+        self._fresh = None  # (unique root ids, their updated memory) from the last embed()
+
+    def reset_state(self) -> None:
+        self.memory.reset()
+        self._fresh = None
+
+    def updated_memory(self, nodes: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def root_memory(self, roots: torch.Tensor) -> torch.Tensor:
+        """Updated memory of each root; remembers the unique roots' values for :meth:`commit`."""
+        uniq, inverse = torch.unique(roots, return_inverse=True)
+        fresh = self.updated_memory(uniq)
+        self._fresh = (uniq, fresh)
+        return fresh[inverse]
+
+    @torch.no_grad()
+    def commit(self, src, dst, ts, edge_feat) -> None:
+        uniq, fresh = self._fresh
+        pos = torch.unique(torch.cat([src, dst]))
+        rows = torch.searchsorted(uniq, pos)
+        mem = self.memory
+        mem.write(pos, fresh[rows], torch.where(mem.pending[pos], mem.latest_mail(pos)[1], mem.last_update[pos]))
+        m_src, m_dst = mem.memory[src], mem.memory[dst]
+        mails = torch.cat([torch.cat([m_src, m_dst, edge_feat], 1), torch.cat([m_dst, m_src, edge_feat], 1)])
+        mem.deliver(torch.cat([src, dst]), mails, torch.cat([ts, ts]).to(mem.mail_ts.dtype))
+        self._fresh = None
+
+
+class TGN(MemoryModel):
+    """TGN with one attention layer over the 10 most recent neighbors (TGL's defaults)."""
+
+    strategy = "recent"
+
+    def __init__(self, num_nodes: int, node_dim: int, edge_dim: int, memory_dim: int = 100,
+                 dim: int = 100, time_dim: int = 100, num_heads: int = 2, fanouts=(10,),
+                 dropout: float = 0.1) -> None:
+        super().__init__(num_nodes, edge_dim, memory_dim, dim)
+        self.fanouts = list(fanouts)
+        self.mail_time = TimeEncode(time_dim)
+        self.gru = nn.GRUCell(self.memory.mail_dim + time_dim, memory_dim)
+        self.node_proj = nn.Linear(node_dim, memory_dim) if node_dim else None
+        self.layers = nn.ModuleList(
+            MultiheadTemporalAttention(memory_dim if j == 0 else dim, edge_dim, time_dim, dim, num_heads, dropout)
+            for j in range(len(self.fanouts))
+        )
+
+    def updated_memory(self, nodes):
+        mem = self.memory
+        mail, mail_ts = mem.latest_mail(nodes)
+        delta = (mail_ts - mem.last_update[nodes]).float()
+        new = self.gru(torch.cat([mail, self.mail_time(delta)], dim=1), mem.memory[nodes])
+        return torch.where(mem.pending[nodes].unsqueeze(1), new, mem.memory[nodes])
+
+    def node_repr(self, node_feat, memory):
+        return memory if self.node_proj is None else memory + self.node_proj(node_feat)
+
+    def embed(self, inputs: GraphInputs):
+        sets = inputs.nodes[: len(self.fanouts) + 1]
+        memory = self.root_memory(torch.cat(sets)).split([int(n.shape[0]) for n in sets])
+        return self.propagate([self.node_repr(f, m) for f, m in zip(inputs.node_feat, memory)], inputs)
