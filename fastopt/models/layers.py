@@ -43,9 +43,9 @@ class TemporalAttention(nn.Module):
     """Temporal graph attention over ``k`` sampled neighbors, written out explicitly (TGAT style).
 
     Query: the destination's representation and the encoding of Δt = 0; keys and values: each
-    neighbor's representation, the edge's features and the encoding of Δt. Scores pass a
-    LeakyReLU, masked entries get a large negative score, softmax runs over the neighbor
-    dimension and masked weights are zeroed, so a destination with no valid neighbor receives
+    neighbor's representation, the edge's features and the encoding of Δt. Scores are scaled
+    dot products (per head, ``1 / sqrt(head_dim)``), masked entries get a large negative score,
+    softmax runs over the neighbor dimension and masked weights are zeroed, so a destination with no valid neighbor receives
     zeros. Output: ``LayerNorm(ReLU(W_o [attention, h_dst]))``.
 
     Shapes: ``h_dst [M, d_node]``, ``h_nbr [M, k, d_node]``, ``edge_feat [M, k, d_edge]``,
@@ -61,6 +61,7 @@ class TemporalAttention(nn.Module):
             raise ValueError(f"out_dim {out_dim} must be divisible by num_heads {num_heads}")
         self.num_heads = num_heads
         self.head_dim = out_dim // num_heads
+        self.scale = self.head_dim ** -0.5
         self.time_enc = TimeEncode(time_dim)
         self.w_q = nn.Linear(node_dim + time_dim, out_dim)
         self.w_k = nn.Linear(nbr_dim + edge_dim + time_dim, out_dim)
@@ -77,7 +78,7 @@ class TemporalAttention(nn.Module):
         kv_in = torch.cat([h_nbr, edge_feat, self.time_enc(dt)], dim=-1)
         key = self.w_k(kv_in).view(m, k, self.num_heads, self.head_dim)
         value = self.w_v(kv_in).view(m, k, self.num_heads, self.head_dim)
-        scores = F.leaky_relu((q * key).sum(dim=-1), negative_slope=0.2)
+        scores = (q * key).sum(dim=-1) * self.scale
         scores = scores.masked_fill(~mask.unsqueeze(-1), -1e9)
         att = torch.softmax(scores, dim=1).masked_fill(~mask.unsqueeze(-1), 0.0)
         att = self.att_dropout(att)
