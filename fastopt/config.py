@@ -58,6 +58,10 @@ class CacheConfig:
     transfer_dtype: str = "float32"
     # threads gathering cache misses into pinned staging buffers
     gather_threads: int = 2
+    # leading fraction of the planned epoch counted to pick the static hot set and auto's policy
+    sample_fraction: float = 0.5
+    # budget split between tables: "greedy" (sampled hits per byte) or "proportional" (to table bytes)
+    split: str = "greedy"
 
 
 @dataclass
@@ -181,6 +185,10 @@ class Config:
         _check(self.cache.transfer_dtype in ("float32", "bfloat16", "float16"), "cache.transfer_dtype",
                self.cache.transfer_dtype, "one of 'float32', 'bfloat16', 'float16'")
         _check(self.cache.gather_threads >= 1, "cache.gather_threads", self.cache.gather_threads, ">= 1")
+        _check(0.0 < self.cache.sample_fraction <= 1.0, "cache.sample_fraction",
+               self.cache.sample_fraction, "in (0, 1]")
+        _check(self.cache.split in ("greedy", "proportional"), "cache.split", self.cache.split,
+               "'greedy' or 'proportional'")
         _check(self.kernels.backward_mode in ("deterministic", "atomic"), "kernels.backward_mode",
                self.kernels.backward_mode, "'deterministic' or 'atomic'")
         _check(self.kernels.backend in ("auto", "triton", "reference"), "kernels.backend",

@@ -1,0 +1,407 @@
+"""Which rows SlimCache keeps on the device: the slot directory and its replacement policies.
+
+Everything here is host-side bookkeeping on int64/int32 CPU tensors; no row data moves. The
+:class:`SlotDirectory` maps row ids to cache slots and decides, batch by batch, which rows hit,
+which misses are admitted and which residents are evicted. A policy only supplies the order in
+which rows are worth keeping:
+
+* :class:`LruPolicy` keeps the most recently used rows;
+* :class:`FuturePolicy` keeps the rows whose next use is soonest (Belady's rule). Training visits
+  batches in a known order and the sampler is reproducible, so the next use of a row is known as
+  soon as the batches ahead have been announced (:class:`NextUseIndex`);
+* :class:`StaticPolicy` preloads the rows most frequently used in a pre-sampled part of the epoch
+  and never changes them (FAST's hot set).
+
+The granularity is a batch: all rows of a batch are needed at once, a miss is served by a
+staging copy whether or not it is admitted (bypass), and the rows kept after a batch are chosen
+among the residents and that batch's rows. :func:`belady_optimum` computes the fewest misses any
+policy can reach on a stream under exactly these rules, independently of the directory's code.
+
+Layering: imports nothing of fastopt but :mod:`fastopt.errors`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from fastopt.errors import CacheError
+
+__all__ = [
+    "AccessPlan",
+    "SlotDirectory",
+    "ReplacementPolicy",
+    "LruPolicy",
+    "FuturePolicy",
+    "StaticPolicy",
+    "NextUseIndex",
+    "BeladyResult",
+    "belady_optimum",
+    "access_counts",
+    "split_budget",
+    "POLICIES",
+]
+
+POLICIES = ("static", "lru", "future", "auto")
+
+# A row whose next use is unknown (beyond the announced batches) or that is never used again.
+NEVER = 1 << 40
+# Batches per epoch that the recency tie-break of FuturePolicy tells apart (keys stay < 2**62).
+_STRIDE = 1 << 21
+# Sort key of a free slot: larger than any policy key, so free slots are filled first.
+_FREE = torch.iinfo(torch.int64).max
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass
+class AccessPlan:
+    """What one batch's lookup does to the cache, in positions of the batch's unique ids.
+
+    Rows are gathered for hits before any admission overwrites a slot, so a hit whose slot is
+    reused by the same batch is still served correctly.
+    """
+
+    hit_pos: torch.Tensor  # [h] positions of hits among the looked-up ids
+    hit_slots: torch.Tensor  # [h] their slots
+    miss_pos: torch.Tensor  # [m] positions of misses among the looked-up ids
+    admit_sel: torch.Tensor  # [a] positions among the misses that are admitted
+    admit_slots: torch.Tensor  # [a] the slots they take
+    evict_ids: torch.Tensor  # [e] ids that lose their slot (e <= a: free slots evict nothing)
+    evict_slots: torch.Tensor  # [e] their former slots
+    evict_dirty: torch.Tensor  # [e] bool: rows that must be written back first
+
+    @classmethod
+    def none(cls, n: int) -> "AccessPlan":
+        """A plan for a cache without slots: every one of ``n`` ids misses and nothing moves."""
+        return cls(_EMPTY, _EMPTY, torch.arange(n), _EMPTY, _EMPTY, _EMPTY, _EMPTY,
+                   torch.empty(0, dtype=torch.bool))
+
+
+class ReplacementPolicy(ABC):
+    """Orders rows by how much they are worth keeping (a smaller key is kept first)."""
+
+    name: str = ""
+    #: whether misses may enter the cache (``False`` for a fixed, preloaded hot set)
+    admits: bool = True
+
+    @abstractmethod
+    def keys(self, next_use: torch.Tensor, last_use: torch.Tensor) -> torch.Tensor:
+        """Sort keys of rows with the given next-use and last-use batch numbers."""
+
+    def next_use(self, values: torch.Tensor) -> torch.Tensor:
+        """Next-use batch of each of this batch's ids (only :class:`FuturePolicy` knows it)."""
+        return torch.full_like(values, NEVER)
+
+
+class LruPolicy(ReplacementPolicy):
+    """Keep the most recently used rows."""
+
+    name = "lru"
+
+    def keys(self, next_use: torch.Tensor, last_use: torch.Tensor) -> torch.Tensor:
+        return -last_use
+
+
+class StaticPolicy(ReplacementPolicy):
+    """A fixed hot set, preloaded once; misses bypass the cache."""
+
+    name = "static"
+    admits = False
+
+    def keys(self, next_use: torch.Tensor, last_use: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(last_use)
+
+
+class FuturePolicy(ReplacementPolicy):
+    """Belady's rule: keep the rows used again soonest; ties (and unknown futures) by recency.
+
+    Args:
+        index: the announced batches ahead, which give every id's next use.
+    """
+
+    name = "future"
+
+    def __init__(self, index: "NextUseIndex") -> None:
+        self.index = index
+
+    def keys(self, next_use: torch.Tensor, last_use: torch.Tensor) -> torch.Tensor:
+        recency = (_STRIDE - 1) - last_use.clamp(0, _STRIDE - 1)
+        return next_use * _STRIDE + recency
+
+    def next_use(self, values: torch.Tensor) -> torch.Tensor:
+        return self.index.consume(values)
+
+
+class NextUseIndex:
+    """Next use of every announced access, built incrementally as batches are announced.
+
+    Batches are numbered in announce order from the start of the epoch; lookups consume them in
+    the same order. When batch ``j`` is announced, each of its ids' previous announced
+    occurrence learns that its next use is ``j``. Ids whose previous occurrence was already
+    consumed (or that have none this epoch) are returned, so a resident row's next use can be
+    refreshed from "unknown" to ``j``.
+
+    Args:
+        num_rows: size of the id space.
+    """
+
+    def __init__(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every announced batch (a new epoch renumbers batches from 0)."""
+        self._last_occ = torch.full((self.num_rows,), -1, dtype=torch.int64)
+        self._next = torch.empty(1024, dtype=torch.int64)
+        self._offsets: List[int] = [0]
+        self._batches: List[Optional[torch.Tensor]] = []
+        self.consumed = 0
+
+    @property
+    def announced(self) -> int:
+        return len(self._batches)
+
+    def announce(self, values: torch.Tensor) -> torch.Tensor:
+        """Append a batch of sorted unique ids; returns the ids whose next use became this batch."""
+        j, base, n = self.announced, self._offsets[-1], values.numel()
+        if base + n > self._next.numel():
+            grown = torch.empty(max(2 * self._next.numel(), base + n), dtype=torch.int64)
+            grown[:base] = self._next[:base]
+            self._next = grown
+        self._next[base:base + n] = NEVER
+        prev = self._last_occ[values]
+        linked = prev >= 0
+        self._next[prev[linked]] = j
+        self._last_occ[values] = torch.arange(base, base + n)
+        self._offsets.append(base + n)
+        self._batches.append(values)
+        return values[prev < self._offsets[self.consumed]]
+
+    def consume(self, values: torch.Tensor) -> torch.Tensor:
+        """Next use of each id of the batch being looked up now (which must be the next announced)."""
+        t = self.consumed
+        if t >= self.announced:
+            raise CacheError(
+                f"the future policy needs each batch's ids announced before its lookup; batch {t} "
+                f"is looked up but only {self.announced} batches were announced. Call "
+                f"SlimCache.announce() (or plan()) with the upcoming batches' ids first")
+        expected = self._batches[t]
+        if expected.numel() != values.numel() or not torch.equal(expected, values):
+            raise CacheError(
+                f"batch {t} looks up {values.numel()} unique ids but {expected.numel()} different "
+                f"ones were announced for it; announce and look up the same batches in the same "
+                f"order")
+        self._batches[t] = None  # consumed batches are not needed again
+        self.consumed += 1
+        return self._next[self._offsets[t]:self._offsets[t + 1]].clone()
+
+
+class SlotDirectory:
+    """Host-side map between row ids and cache slots, with each slot's replacement state.
+
+    Args:
+        num_rows: size of the id space (rows of the host table).
+        capacity: slots in the cache.
+        policy: the replacement order.
+    """
+
+    def __init__(self, num_rows: int, capacity: int, policy: ReplacementPolicy) -> None:
+        self.num_rows, self.capacity, self.policy = num_rows, capacity, policy
+        self.slot_of = torch.full((num_rows,), -1, dtype=torch.int32)  # id -> slot, -1 = absent
+        self.id_of = torch.full((capacity,), -1, dtype=torch.int64)  # slot -> id, -1 = free
+        self.next_use = torch.full((capacity,), NEVER, dtype=torch.int64)
+        self.last_use = torch.full((capacity,), -1, dtype=torch.int64)
+        self.dirty = torch.zeros(capacity, dtype=torch.bool)
+        self.batch = 0  # batches looked up so far
+
+    @property
+    def resident(self) -> int:
+        return int((self.id_of >= 0).sum())
+
+    def preload(self, ids: torch.Tensor) -> torch.Tensor:
+        """Place ``ids`` (at most ``capacity``, distinct, not resident) in free slots; returns the slots."""
+        free = torch.nonzero(self.id_of < 0).flatten()[: ids.numel()]
+        if free.numel() < ids.numel():
+            raise CacheError(f"cannot preload {ids.numel()} rows into {free.numel()} free slots; "
+                             f"preload at most the cache's capacity ({self.capacity} rows)")
+        self.slot_of[ids] = free.to(torch.int32)
+        self.id_of[free] = ids
+        self.dirty[free] = False
+        return free
+
+    def refresh(self, ids: torch.Tensor, next_use: int) -> None:
+        """Set the next use of those of ``ids`` that are resident (a newly announced batch)."""
+        slots = self.slot_of[ids].long()
+        slots = slots[slots >= 0]
+        self.next_use[slots] = next_use
+
+    def forget_future(self) -> None:
+        """Mark every resident's next use unknown (a new epoch's batches are not announced yet)."""
+        self.next_use.fill_(NEVER)
+
+    def access(self, values: torch.Tensor) -> AccessPlan:
+        """Look up one batch's sorted unique ids and decide admissions and evictions."""
+        t, self.batch = self.batch, self.batch + 1
+        next_use = self.policy.next_use(values)
+        if self.capacity == 0:
+            return AccessPlan.none(values.numel())
+        slots = self.slot_of[values].long()
+        hit = slots >= 0
+        hit_pos = torch.nonzero(hit).flatten()
+        miss_pos = torch.nonzero(~hit).flatten()
+        hit_slots = slots[hit_pos]
+        self.next_use[hit_slots] = next_use[hit_pos]
+        self.last_use[hit_slots] = t
+        plan = AccessPlan(hit_pos, hit_slots, miss_pos, _EMPTY, _EMPTY, _EMPTY, _EMPTY,
+                          torch.empty(0, dtype=torch.bool))
+        m = miss_pos.numel()
+        if m == 0 or not self.policy.admits:
+            return plan
+        miss_next = next_use[miss_pos]
+        miss_keys = self.policy.keys(miss_next, torch.full_like(miss_next, t))
+        # Drop the m largest keys among residents and misses; doubling the keys and adding 1 to
+        # the misses' makes residents win ties, so an equal miss never displaces a resident.
+        res_keys = self.policy.keys(self.next_use, self.last_use) * 2
+        res_keys[self.id_of < 0] = _FREE
+        drop = torch.topk(torch.cat([res_keys, miss_keys * 2 + 1]), m, sorted=False).indices
+        freed = drop[drop < self.capacity]
+        if freed.numel() == 0:
+            return plan
+        kept = torch.ones(m, dtype=torch.bool)
+        kept[drop[drop >= self.capacity] - self.capacity] = False
+        admit_sel = torch.nonzero(kept).flatten()
+        freed, _ = torch.sort(freed)
+        old = self.id_of[freed]
+        occupied = old >= 0
+        plan.evict_ids, plan.evict_slots = old[occupied], freed[occupied]
+        plan.evict_dirty = self.dirty[plan.evict_slots].clone()
+        self.slot_of[plan.evict_ids] = -1
+        admit_ids = values[miss_pos[admit_sel]]
+        self.slot_of[admit_ids] = freed.to(torch.int32)
+        self.id_of[freed] = admit_ids
+        self.next_use[freed] = miss_next[admit_sel]
+        self.last_use[freed] = t
+        self.dirty[freed] = False
+        plan.admit_sel, plan.admit_slots = admit_sel, freed
+        return plan
+
+
+def access_counts(stream: Sequence[torch.Tensor], num_rows: int) -> torch.Tensor:
+    """How many batches of ``stream`` (sorted unique ids per batch) use each row."""
+    counts = torch.zeros(num_rows, dtype=torch.int64)
+    for values in stream:
+        counts[values] += 1
+    return counts
+
+
+def split_budget(budget: int, counts: Dict[str, torch.Tensor], row_bytes: Dict[str, int],
+                 ) -> Dict[str, int]:
+    """Split a byte budget between tables greedily by sampled hits per byte.
+
+    Rows of every table compete in one ranking by ``count / row_bytes``; the budget goes to the
+    best rows until it runs out. What is left once every sampled row fits is shared in
+    proportion to the tables' sizes, for rows the sample did not see.
+
+    Returns:
+        Bytes per table.
+    """
+    names = list(counts)
+    value, size, owner = [], [], []
+    for i, name in enumerate(names):
+        c = counts[name]
+        c = c[c > 0].double()
+        value.append(c / row_bytes[name])
+        size.append(torch.full_like(c, row_bytes[name]))
+        owner.append(torch.full(c.shape, i, dtype=torch.int64))
+    value_t, size_t, owner_t = torch.cat(value), torch.cat(size), torch.cat(owner)
+    order = torch.sort(value_t, descending=True, stable=True).indices
+    taken = torch.cumsum(size_t[order], 0) <= budget
+    share = {name: 0 for name in names}
+    for i, name in enumerate(names):
+        share[name] = int(size_t[order][taken & (owner_t[order] == i)].sum())
+    left = budget - sum(share.values())
+    total = sum(counts[n].numel() * row_bytes[n] for n in names)
+    for name in names:
+        if left > 0 and total > 0:
+            share[name] += left * counts[name].numel() * row_bytes[name] // total
+    return share
+
+
+@dataclass
+class BeladyResult:
+    """The fewest misses any batch-granular policy reaches on a stream."""
+
+    lookups: int  # unique ids over all batches
+    misses: int
+
+    @property
+    def hits(self) -> int:
+        return self.lookups - self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+def belady_optimum(stream: Sequence, capacity: int, num_rows: Optional[int] = None) -> BeladyResult:
+    """Offline optimum of a cache of ``capacity`` rows over ``stream`` (unique ids per batch).
+
+    After each batch the cache keeps, among its residents and that batch's ids, the ``capacity``
+    rows whose next use comes soonest; an exchange argument shows no schedule misses less when
+    misses may bypass the cache. Written with NumPy and independent of :class:`SlotDirectory`.
+
+    Args:
+        stream: per batch, the distinct ids used (any order).
+        capacity: rows the cache holds.
+        num_rows: size of the id space (default: largest id + 1).
+    """
+    batches = [np.unique(np.asarray(b, dtype=np.int64)) for b in stream]
+    lookups = int(sum(b.size for b in batches))
+    if not batches or lookups == 0:
+        return BeladyResult(lookups, 0)
+    ids = np.concatenate(batches)
+    when = np.repeat(np.arange(len(batches), dtype=np.int64), [b.size for b in batches])
+    order = np.lexsort((when, ids))
+    nxt_sorted = np.full(ids.size, NEVER, dtype=np.int64)
+    same = ids[order][1:] == ids[order][:-1]
+    nxt_sorted[:-1][same] = when[order][1:][same]
+    nxt = np.empty_like(nxt_sorted)
+    nxt[order] = nxt_sorted
+    if num_rows is None:
+        num_rows = int(ids.max()) + 1
+    resident = np.zeros(num_rows, dtype=bool)
+    key = np.full(num_rows, NEVER, dtype=np.int64)
+    count, misses, start = 0, 0, 0
+    for b in batches:
+        n_next = nxt[start:start + b.size]
+        start += b.size
+        missed = ~resident[b]
+        misses += int(missed.sum())
+        if capacity <= 0:
+            continue
+        key[b] = n_next
+        resident[b[missed]] = True
+        count += int(missed.sum())
+        if count > capacity:
+            members = np.flatnonzero(resident)
+            worst = np.argpartition(key[members], capacity)[capacity:]
+            resident[members[worst]] = False
+            count = capacity
+    return BeladyResult(lookups, misses)
+
+
+def make_policy(name: str, num_rows: int) -> Tuple[ReplacementPolicy, Optional[NextUseIndex]]:
+    """The policy object for a policy name (``auto`` is resolved by the caller first)."""
+    if name == "lru":
+        return LruPolicy(), None
+    if name == "static":
+        return StaticPolicy(), None
+    if name == "future":
+        index = NextUseIndex(num_rows)
+        return FuturePolicy(index), index
+    raise CacheError(f"unknown cache policy {name!r}; use one of {', '.join(POLICIES)}")

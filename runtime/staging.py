@@ -1,0 +1,135 @@
+"""Moving cache misses from host tables to the device: threaded gathers, pinned buffers, a copy stream.
+
+A miss is gathered on the host into a staging buffer (pinned when the device is a GPU, so the
+copy can be asynchronous), then copied on a dedicated CUDA stream; an event recorded after the
+copy lets the compute stream wait for exactly that copy and nothing else. Each table owns two
+staging buffers used in turn (double buffering): the host fills one while the other's copy is in
+flight, and a buffer is refilled only after the event of its previous copy has completed.
+
+On the CPU the same code runs without pinning, streams or copies: the staged rows are used in
+place, which is safe because a buffer is refilled only two batches later, after its batch has
+been consumed.
+
+Layering: imports nothing of fastopt.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["HostGatherer", "StagingBuffers", "TransferStream"]
+
+# Below this many rows per thread, handing work to the pool costs more than it saves.
+_MIN_ROWS_PER_THREAD = 2048
+
+
+class HostGatherer:
+    """Gathers rows of a host table into a staging buffer with several threads.
+
+    ``torch.index_select`` releases the GIL while it copies, so the threads of the pool copy
+    disjoint slices of the output concurrently.
+
+    Args:
+        threads: worker threads; 1 gathers on the calling thread.
+    """
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, int(threads))
+        self._pool: Optional[ThreadPoolExecutor] = (
+            ThreadPoolExecutor(self.threads, thread_name_prefix="fastopt-gather")
+            if self.threads > 1 else None)
+
+    def gather(self, table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> float:
+        """Write ``table[ids]`` into ``out`` (same length as ``ids``); returns the seconds spent."""
+        start = time.perf_counter()
+        n = ids.numel()
+        parts = min(self.threads, n // _MIN_ROWS_PER_THREAD)
+        if self._pool is None or parts < 2:
+            torch.index_select(table, 0, ids, out=out)
+        else:
+            bounds = [n * i // parts for i in range(parts + 1)]
+            futures = [self._pool.submit(torch.index_select, table, 0, ids[a:b], out=out[a:b])
+                       for a, b in zip(bounds[:-1], bounds[1:])]
+            for future in futures:
+                future.result()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+class StagingBuffers:
+    """Two reusable host buffers for one table's misses, pinned when copies go to a GPU.
+
+    Args:
+        row_shape: shape of one row.
+        dtype: dtype of the rows on the wire.
+        pinned: allocate page-locked memory (needed for asynchronous host-to-device copies).
+        count: buffers used in turn.
+    """
+
+    def __init__(self, row_shape: Sequence[int], dtype: torch.dtype, pinned: bool,
+                 count: int = 2) -> None:
+        self.row_shape, self.dtype, self.pinned = tuple(row_shape), dtype, pinned
+        self._buffers: List[torch.Tensor] = [self._alloc(0) for _ in range(count)]
+        self._events: List[Optional[torch.cuda.Event]] = [None] * count
+        self._turn = 0
+
+    def _alloc(self, rows: int) -> torch.Tensor:
+        buf = torch.empty((rows,) + self.row_shape, dtype=self.dtype)
+        return buf.pin_memory() if self.pinned and rows > 0 else buf
+
+    def acquire(self, rows: int) -> Tuple[int, torch.Tensor]:
+        """The next buffer, grown to at least ``rows`` rows, once its previous copy has finished."""
+        i = self._turn
+        self._turn = (i + 1) % len(self._buffers)
+        if self._events[i] is not None:
+            self._events[i].synchronize()
+            self._events[i] = None
+        if self._buffers[i].shape[0] < rows:
+            # Grow geometrically so a slowly rising miss count does not re-pin every batch.
+            self._buffers[i] = self._alloc(max(rows, 2 * self._buffers[i].shape[0]))
+        return i, self._buffers[i][:rows]
+
+    def release_after(self, i: int, event: Optional[torch.cuda.Event]) -> None:
+        """Buffer ``i`` may be refilled once ``event`` (its copy) has completed."""
+        self._events[i] = event
+
+
+class TransferStream:
+    """Host-to-device copies on a dedicated CUDA stream, each followed by an event.
+
+    Args:
+        device: the cache's device; on the CPU, uploads return their input and record no event.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=device) if self.is_cuda else None
+
+    def upload(self, host: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], Optional[torch.cuda.Event]]:
+        """Start copying ``host`` tensors (pinned) to the device; returns them and the copy's event."""
+        if not self.is_cuda:
+            return list(host), None
+        with torch.cuda.stream(self.stream):
+            out = [t.to(self.device, non_blocking=True) for t in host]
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return out, event
+
+    def consume(self, tensors: Sequence[torch.Tensor], event: Optional[torch.cuda.Event]) -> None:
+        """Make the current stream wait for ``event`` before it uses ``tensors``."""
+        if event is None:
+            return
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(event)
+        for t in tensors:
+            # Allocated on the copy stream, used on this one: keep the memory until this use ends.
+            t.record_stream(current)
