@@ -72,6 +72,8 @@ class KernelsConfig:
     rows_per_program: int = 0
     # heads handled by one program; 0 = all heads
     heads_per_program: int = 0
+    # neighbor slots per tile (power of two); 0 = heuristic (covers K when the tile fits)
+    block_k: int = 0
     # warps per program; 0 = heuristic per GPU
     num_warps: int = 0
     # software-pipelining stages; 0 = heuristic per GPU
@@ -193,7 +195,7 @@ class Config:
                self.kernels.backward_mode, "'deterministic' or 'atomic'")
         _check(self.kernels.backend in ("auto", "triton", "reference"), "kernels.backend",
                self.kernels.backend, "one of 'auto', 'triton', 'reference'")
-        for knob in ("rows_per_program", "heads_per_program", "num_warps", "num_stages"):
+        for knob in ("rows_per_program", "heads_per_program", "block_k", "num_warps", "num_stages"):
             value = getattr(self.kernels, knob)
             _check(value >= 0, f"kernels.{knob}", value, ">= 0 (0 = heuristic)")
         _check(self.pipeline.prefetch_depth >= 0, "pipeline.prefetch_depth", self.pipeline.prefetch_depth, ">= 0")

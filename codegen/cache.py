@@ -1,0 +1,241 @@
+"""Content-addressed on-disk cache of generated kernel modules.
+
+Triton compiles only functions whose source lives in a real file, so every generated module is
+written to the cache directory and imported from there. The file name is derived from a
+:class:`CacheKey`, the hash of everything that can change the compiled kernel: the generated
+source, the :class:`~fastopt.codegen.kernel_config.KernelConfig`, the GPU name and compute
+capability, and the torch, triton and fastopt versions. Files are written atomically (a temporary
+file in the same directory, then ``os.replace``), so concurrent processes never import a partial
+module; each module has a JSON sidecar with its key, which :meth:`KernelCache.describe` uses to
+explain a miss ("the entry for this source differs in: triton_version ...").
+
+Layout: ``<cache_dir>/fo_<family>_<digest16>.py`` (+ ``.json``), the kernel inside named
+``fo_<family>_<digest8>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from fastopt.codegen.kernel_config import KernelConfig
+from fastopt.config import default_config
+from fastopt.errors import KernelError
+
+__all__ = ["CacheKey", "KernelCache", "kernel_cache", "device_identity", "default_cache_dir",
+           "KERNEL_NAME_PLACEHOLDER"]
+
+# Name of the kernel in a rendered template before the cache names it fo_<family>_<hash8>.
+KERNEL_NAME_PLACEHOLDER = "fo_kernel_unnamed"
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def device_identity(device: torch.device) -> Tuple[str, str]:
+    """``(name, compute capability)`` of the device a kernel is compiled for."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        return torch.cuda.get_device_name(index), f"{major}.{minor}"
+    return f"{device.type} (triton interpreter)", "0.0"
+
+
+def default_cache_dir() -> Path:
+    """``config.kernels.cache_dir``, else ``$XDG_CACHE_HOME/fastopt/kernels`` or ``~/.cache/...``."""
+    configured = default_config().kernels.cache_dir
+    if configured:
+        return Path(configured).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fastopt" / "kernels"
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Everything that determines a compiled kernel; :attr:`digest` names its cache entry."""
+
+    family: str
+    source_sha256: str
+    config: str
+    device_name: str
+    capability: str
+    torch_version: str
+    triton_version: str
+    fastopt_version: str
+
+    @classmethod
+    def build(cls, family: str, source: str, config: KernelConfig, device: torch.device,
+              versions: Optional[Dict[str, str]] = None) -> "CacheKey":
+        """Key of ``source`` (rendered with :data:`KERNEL_NAME_PLACEHOLDER`) under ``config``."""
+        versions = versions or {}
+        name, capability = device_identity(device)
+        return cls(
+            family=family,
+            source_sha256=hashlib.sha256(source.encode()).hexdigest(),
+            config=json.dumps(config.to_dict(), sort_keys=True),
+            device_name=name,
+            capability=capability,
+            torch_version=versions.get("torch", torch.__version__),
+            triton_version=versions.get("triton", _version("triton")),
+            fastopt_version=versions.get("fastopt", _version("fastopt")),
+        )
+
+    @property
+    def digest(self) -> str:
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    @property
+    def kernel_name(self) -> str:
+        return f"fo_{self.family}_{self.digest[:8]}"
+
+    @property
+    def module_name(self) -> str:
+        return f"fo_{self.family}_{self.digest[:16]}"
+
+    def differences(self, other: "CacheKey") -> Dict[str, Tuple[str, str]]:
+        """Components that differ, as ``{field: (this, other)}``."""
+        mine, theirs = dataclasses.asdict(self), dataclasses.asdict(other)
+        return {f: (mine[f], theirs[f]) for f in mine if mine[f] != theirs[f]}
+
+    def describe(self) -> str:
+        """One line per component, for logs and for explaining a miss."""
+        lines = [f"kernel {self.kernel_name} (digest {self.digest[:16]})"]
+        for field, value in dataclasses.asdict(self).items():
+            shown = value[:16] + "..." if field == "source_sha256" else value
+            lines.append(f"  {field}: {shown}")
+        return "\n".join(lines)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the whole new one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class KernelCache:
+    """Generated modules on disk, imported once per process.
+
+    Args:
+        root: Cache directory (created on first write).
+    """
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._modules: Dict[str, ModuleType] = {}
+        self._lock = threading.Lock()
+        self.stats = {"memory_hits": 0, "disk_hits": 0, "writes": 0}
+
+    def paths(self, key: CacheKey) -> Tuple[Path, Path]:
+        """The module file and its JSON sidecar for ``key``."""
+        return self.root / f"{key.module_name}.py", self.root / f"{key.module_name}.json"
+
+    def load(self, key: CacheKey, source: str):
+        """The kernel of ``source`` for ``key``: from memory, from disk, or written then imported.
+
+        Args:
+            key: The key built from ``source`` (see :meth:`CacheKey.build`).
+            source: Module text naming its kernel :data:`KERNEL_NAME_PLACEHOLDER`.
+
+        Returns:
+            The ``@triton.jit`` function ``fo_<family>_<hash8>``.
+        """
+        with self._lock:
+            module = self._modules.get(key.digest)
+            if module is not None:
+                self.stats["memory_hits"] += 1
+                return getattr(module, key.kernel_name)
+            path, meta = self.paths(key)
+            text = source.replace(KERNEL_NAME_PLACEHOLDER, key.kernel_name)
+            if path.exists() and path.read_text() == text:
+                self.stats["disk_hits"] += 1
+            else:
+                self._write(path, meta, key, text)
+            module = self._import(path, key)
+            self._modules[key.digest] = module
+            return getattr(module, key.kernel_name)
+
+    def _write(self, path: Path, meta: Path, key: CacheKey, text: str) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            _atomic_write(path, text)
+            _atomic_write(meta, json.dumps(dataclasses.asdict(key), indent=2, sort_keys=True))
+        except OSError as exc:
+            raise KernelError(
+                f"cannot write kernel {key.kernel_name} to {self.root} ({exc}); set "
+                f"FASTOPT_KERNELS_CACHE_DIR to a writable directory"
+            ) from exc
+        self.stats["writes"] += 1
+
+    @staticmethod
+    def _import(path: Path, key: CacheKey) -> ModuleType:
+        spec = importlib.util.spec_from_file_location(key.module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key.module_name] = module
+        spec.loader.exec_module(module)
+        return module
+
+    def entries(self) -> Dict[str, CacheKey]:
+        """Keys of the modules on disk, by module name."""
+        found = {}
+        for meta in sorted(self.root.glob("fo_*.json")):
+            try:
+                found[meta.stem] = CacheKey(**json.loads(meta.read_text()))
+            except (OSError, ValueError, TypeError):
+                continue
+        return found
+
+    def describe(self, key: CacheKey) -> str:
+        """Whether ``key`` is cached and, for a miss, how the nearest entry on disk differs."""
+        path, _ = self.paths(key)
+        if key.digest in self._modules or path.exists():
+            return f"hit: {path}\n{key.describe()}"
+        same_family = [k for k in self.entries().values() if k.family == key.family]
+        if not same_family:
+            return (f"miss: no {key.family} kernel in {self.root} yet (first use, or a new "
+                    f"cache directory)\n{key.describe()}")
+        nearest = min(same_family, key=lambda other: len(key.differences(other)))
+        diffs = key.differences(nearest)
+        shown = ", ".join(
+            f"{field} ({'<changed>' if field == 'source_sha256' else repr(new)} vs cached "
+            f"{'<other>' if field == 'source_sha256' else repr(old)})"
+            for field, (new, old) in diffs.items())
+        return (f"miss: nearest cached entry {nearest.module_name} differs in: {shown}\n"
+                f"{key.describe()}")
+
+
+_CACHES: Dict[Path, KernelCache] = {}
+
+
+def kernel_cache() -> KernelCache:
+    """The process-wide cache of the configured directory."""
+    root = default_cache_dir()
+    if root not in _CACHES:
+        _CACHES[root] = KernelCache(root)
+    return _CACHES[root]

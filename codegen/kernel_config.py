@@ -1,0 +1,124 @@
+"""Thread mapping of the generated kernels: :class:`KernelConfig` and its heuristic defaults.
+
+A program of every kernel family handles ``rows_per_program`` destination (or table) rows and
+``heads_per_program`` heads; inside it, neighbor slots are processed ``block_k`` at a time as a
+``[block_k, heads, block_d]`` tile. Defaults come from :func:`heuristic_config` (tile sizes from the
+shape, warps from the tile and the GPU); every non-zero knob of ``config.kernels`` (set by the
+tuner or ``FASTOPT_KERNELS_*``) overrides its heuristic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Tuple
+
+from fastopt.config import default_config
+from fastopt.errors import KernelError
+
+__all__ = ["KernelConfig", "heuristic_config", "next_power_of_2"]
+
+# Elements of one [block_k, heads, block_d] register tile above which heads are split over programs.
+MAX_TILE = 8192
+# Widest head dimension one tile holds (block_d covers d in one piece).
+MAX_BLOCK_D = 4096
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two ``>= n`` (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def _power_of_2(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """How a kernel maps work to programs and lanes (all sizes powers of two but rows/warps/stages).
+
+    Attributes:
+        rows_per_program: Destination (or table) rows one program handles, one after another.
+        block_k: Neighbor slots per tile; slots beyond it are handled in further tiles.
+        block_d: Lanes over the head dimension; must cover ``d`` (next power of two).
+        heads_per_program: Heads per program; the grid's second axis covers the rest.
+        num_warps: Warps per program.
+        num_stages: Software-pipelining stages.
+    """
+
+    rows_per_program: int = 1
+    block_k: int = 16
+    block_d: int = 64
+    heads_per_program: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def validate(self, slots: int, heads: int, dim: int) -> "KernelConfig":
+        """Raise :class:`KernelError` if this mapping cannot run a ``K, H, d`` problem."""
+        for name in ("block_k", "block_d", "heads_per_program"):
+            value = getattr(self, name)
+            if not _power_of_2(value):
+                raise KernelError(
+                    f"KernelConfig.{name}={value} must be a power of two; use "
+                    f"{next_power_of_2(max(value, 1))}"
+                )
+        if self.block_d < dim:
+            raise KernelError(
+                f"KernelConfig.block_d={self.block_d} is below the head dimension d={dim}; use "
+                f"block_d={next_power_of_2(dim)}"
+            )
+        if self.block_d > MAX_BLOCK_D:
+            raise KernelError(
+                f"KernelConfig.block_d={self.block_d} exceeds the limit {MAX_BLOCK_D}; split the "
+                f"feature dimension (d={dim}) into heads"
+            )
+        for name in ("rows_per_program", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if value < 1:
+                raise KernelError(f"KernelConfig.{name}={value} must be >= 1; use 1")
+        return self
+
+    def grid(self, rows: int, heads: int) -> Tuple[int, int]:
+        """Programs along (rows, head groups)."""
+        return (-(-rows // self.rows_per_program), -(-heads // self.heads_per_program))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def heuristic_config(slots: int, heads: int, dim: int, capability: Tuple[int, int] = (0, 0),
+                     apply_knobs: bool = True) -> KernelConfig:
+    """Default mapping for a ``K, H, d`` problem on a GPU of the given compute capability.
+
+    All heads share a program while the ``[block_k, H, block_d]`` tile stays within
+    :data:`MAX_TILE` elements; ``block_k`` covers K when it fits; warps grow with the tile (one
+    warp per 256 elements, 2 to 8), Hopper and newer get one more pipelining stage.
+
+    Args:
+        slots: Neighbor slots K.
+        heads: Heads H.
+        dim: Head dimension d.
+        capability: CUDA compute capability, ``(0, 0)`` for the CPU interpreter.
+        apply_knobs: Let non-zero ``config.kernels`` knobs override the heuristics.
+    """
+    block_d = next_power_of_2(dim)
+    block_k = next_power_of_2(slots)
+    heads_per_program = next_power_of_2(heads)
+    if block_k * heads_per_program * block_d > MAX_TILE:
+        heads_per_program = 1
+    block_k = max(1, min(block_k, MAX_TILE // (heads_per_program * block_d)))
+    tile = block_k * heads_per_program * block_d
+    num_warps = max(2, min(8, tile // 256))
+    num_stages = 3 if capability[0] >= 9 else 2
+    cfg = KernelConfig(rows_per_program=1, block_k=block_k, block_d=block_d,
+                       heads_per_program=heads_per_program, num_warps=num_warps,
+                       num_stages=num_stages)
+    if apply_knobs:
+        knobs = default_config().kernels
+        changes = {name: getattr(knobs, name) for name in
+                   ("rows_per_program", "heads_per_program", "num_warps", "num_stages", "block_k")
+                   if getattr(knobs, name)}
+        if "heads_per_program" in changes:
+            changes["heads_per_program"] = next_power_of_2(min(changes["heads_per_program"], heads))
+        cfg = dataclasses.replace(cfg, **changes)
+    return cfg.validate(slots, heads, dim)
