@@ -280,3 +280,95 @@ def segment_reduce(coef: Tensor, x: Tensor, index: Tensor, table_rows: int, dtyp
     out = torch.empty((table_rows, heads, dim), device=x.device, dtype=dtype)
     _launch(fn, cfg, cfg.grid(table_rows, heads), coef, x, perm, segptr, out, table_rows)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# masked aggregation
+# ----------------------------------------------------------------------------------------------
+
+
+def _aggregate_launch(stage: str, x: Tensor, mask, indptr, index, reduce: str, rows: int,
+                      slots: int, features: int, *outputs: Tensor, backward_mode: str = ""):
+    cfg = _config(slots, 1, features, x.device)
+    fn = _kernel("masked_aggregate", cfg, x.device, stage=stage, K=slots, F=features,
+                 k_blocks=-(-slots // cfg.block_k), dtype=_TL_DTYPES[x.dtype],
+                 acc=_TL_DTYPES[_acc_dtype(x.dtype)], mask_form=_mask_form(mask, indptr),
+                 indexed=index is not None, reduce=reduce, backward_mode=backward_mode)
+    mask_arg, indptr_arg = _mask_arg(mask, indptr, x)
+    grid = (cfg.grid(rows, 1)[0], -(-features // cfg.block_d))
+    _launch(fn, cfg, grid, x, mask_arg, indptr_arg, index if index is not None else x, *outputs,
+            rows)
+
+
+def _aggregate_shape(x: Tensor, index: Optional[Tensor]) -> Tuple[int, int, Tuple[int, ...]]:
+    if index is None:
+        return x.shape[0], x.shape[1], tuple(x.shape[2:])
+    return index.shape[0], index.shape[1], tuple(x.shape[1:])
+
+
+def aggregate_forward(x: Tensor, mask=None, indptr=None, *, index=None, reduce="mean") -> Tensor:
+    """Forward kernel of ``fastopt::masked_aggregate``."""
+    rows, slots, feature_shape = _aggregate_shape(x, index)
+    features = math.prod(feature_shape)
+    out = torch.empty((rows, *feature_shape), device=x.device, dtype=x.dtype)
+    _aggregate_launch("forward", x, mask, indptr, index, reduce, rows, slots, features, out)
+    return out
+
+
+def aggregate_backward(grad_out: Tensor, x: Tensor, mask=None, indptr=None, *, index=None,
+                       reduce="mean") -> Tensor:
+    """Backward kernels of ``fastopt::masked_aggregate``: the gradient of ``x``."""
+    rows, slots, feature_shape = _aggregate_shape(x, index)
+    features = math.prod(feature_shape)
+    mode = default_config().kernels.backward_mode if index is not None else ""
+    acc = _acc_dtype(x.dtype)
+    if index is None:
+        dx, coef = torch.empty_like(x), x
+    elif mode == "atomic":
+        dx, coef = torch.zeros(x.shape, device=x.device, dtype=acc), x
+    else:
+        dx, coef = x, torch.empty((rows, 1, slots), device=x.device, dtype=acc)
+    _aggregate_launch("backward", x, mask, indptr, index, reduce, rows, slots, features,
+                      grad_out, dx, coef, backward_mode=mode)
+    if index is None:
+        return dx
+    if mode == "atomic":
+        return dx.to(x.dtype)
+    table = segment_reduce(coef, grad_out.reshape(rows, 1, features), index, x.shape[0], x.dtype)
+    return table.view(x.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# time encoding
+# ----------------------------------------------------------------------------------------------
+
+
+def _time_encode_kernel(stage: str, dt: Tensor, w: Tensor):
+    width = w.shape[0]
+    cfg = _config(64, 1, width, dt.device)
+    fn = _kernel("time_encode", cfg, dt.device, stage=stage, T=width, block_n=cfg.block_k,
+                 block_t=cfg.block_d, dtype=_TL_DTYPES[w.dtype], dt_dtype=_TL_DTYPES[dt.dtype],
+                 acc=_TL_DTYPES[_acc_dtype(w.dtype)])
+    return fn, cfg
+
+
+def time_encode_forward(dt: Tensor, w: Tensor, b: Tensor) -> Tensor:
+    """Forward kernel of ``fastopt::time_encode``."""
+    fn, cfg = _time_encode_kernel("forward", dt, w)
+    out = torch.empty((*dt.shape, w.shape[0]), device=dt.device, dtype=w.dtype)
+    count = dt.numel()
+    _launch(fn, cfg, (-(-count // cfg.block_k), 1), dt, w, b, out, count)
+    return out
+
+
+def time_encode_backward(grad_out: Tensor, dt: Tensor, w: Tensor,
+                         b: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """Backward kernel of ``fastopt::time_encode``: ``(ddt, dw, db)``, deterministic."""
+    fn, cfg = _time_encode_kernel("backward", dt, w)
+    count = dt.numel()
+    programs = -(-count // cfg.block_k)
+    ddt = torch.empty_like(dt)
+    partial = torch.zeros((max(programs, 1), 2, w.shape[0]), device=dt.device,
+                          dtype=_acc_dtype(w.dtype))
+    _launch(fn, cfg, (programs, 1), dt, w, b, grad_out, ddt, partial, count)
+    return ddt, partial[:, 0].sum(0).to(w.dtype), partial[:, 1].sum(0).to(b.dtype)
