@@ -326,7 +326,7 @@ class SlimCache:
             elif policy == "static" and sample is None:
                 raise CacheError(
                     f"the static policy picks its hot set from a pre-sampled part of the epoch, "
-                    f"but table {name!r} was looked up before any plan; call "
+                    f"but table {name!r} was used before any plan; call "
                     f"SlimCache.plan(stream) first or use policy 'lru'")
             table.allocate(capacity, policy)
             if policy == "static" and sample is not None:
@@ -353,6 +353,7 @@ class SlimCache:
     def begin_epoch(self) -> None:
         """Restart the ``future`` policy's batch numbering; announce the new epoch's batches next."""
         with self._lock:
+            self._seal(None)
             for table in self._tables.values():
                 if table.index is not None:
                     if table.pending:
@@ -364,6 +365,7 @@ class SlimCache:
     def announce(self, batch: Mapping[str, Ids]) -> None:
         """Announce one upcoming batch's ids per table (the sampler's lookahead)."""
         with self._lock:
+            self._seal(None)
             self._announce_unique(self._unique_batch(batch))
 
     def _unique_batch(self, batch: Mapping[str, Ids]) -> Dict[str, torch.Tensor]:

@@ -1,0 +1,388 @@
+"""SlimCache on the CPU: served rows, dedup, counters, write-back, policies against the optimum."""
+
+from __future__ import annotations
+
+import itertools
+from functools import lru_cache
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastopt.config import CacheConfig
+from fastopt.errors import CacheError, FastOptError
+from fastopt.runtime import CacheTable, SlimCache, Unique, belady_optimum
+
+POLICIES = ["static", "lru", "future", "auto"]
+# Fractions of the tables' bytes: nothing, a few rows, part, everything.
+BUDGETS = {"zero": 0.0, "tiny": 0.01, "partial": 0.2, "all": 1.0}
+
+EDGES, NODES, FEAT, MEM = 400, 60, 6, 5
+
+
+def make_tables(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(EDGES, FEAT, generator=g), torch.randn(NODES, MEM, generator=g)
+
+
+def make_stream(batches: int = 24, seed: int = 1, skew: bool = True):
+    """Batches of padded ``[M, k]`` edge ids (-1 = padding) and node ids, with reuse across batches."""
+    g = torch.Generator().manual_seed(seed)
+    stream = []
+    for b in range(batches):
+        # A sliding window of recent edges plus a few old ones, like recent-neighbor sampling.
+        lo = min(b * 12, EDGES - 80) if skew else 0
+        eids = torch.randint(lo, lo + 80, (8, 5), generator=g)
+        eids[torch.rand(8, 5, generator=g) < 0.2] = -1
+        nodes = torch.randint(0, NODES, (30,), generator=g)
+        stream.append({"edge": eids, "memory": nodes})
+    return stream
+
+
+def gather(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The direct gather the cache must reproduce: padding (-1) rows are zeros."""
+    rows = table[ids.clamp(min=0)]
+    return torch.where((ids >= 0).reshape(ids.shape + (1,) * (rows.dim() - ids.dim())), rows,
+                       torch.zeros((), dtype=table.dtype))
+
+
+def build(policy: str, budget: float, edge, mem, stream, **config):
+    cfg = CacheConfig(budget_fraction=budget, policy=policy, **config)
+    cache = SlimCache({"edge": edge, "memory": CacheTable(mem, writable=True)}, config=cfg,
+                      record=True)
+    cache.plan(stream)
+    return cache
+
+
+def check_counters(cache: SlimCache, name: str) -> None:
+    c = cache.counters(name)
+    assert c.hits + c.misses == c.lookups
+    assert c.rows_h2d == c.misses + c.preloaded
+    assert c.bytes_h2d == c.rows_h2d * c.row_bytes
+    assert c.naive_bytes == c.requested * c.row_bytes
+    assert c.dedup_bytes == c.lookups * c.row_bytes
+    assert c.lookups <= c.requested
+    assert c.evictions <= c.misses
+    # The device map mirrors the directory, and every resident slot holds its row.
+    slot_map = cache.slot_map(name)
+    resident = torch.nonzero(slot_map >= 0).flatten()
+    assert resident.numel() <= cache.capacity(name)
+    slots = slot_map[resident].long()
+    assert torch.unique(slots).numel() == slots.numel()
+    if name == "edge":
+        assert torch.equal(cache.slots(name)[slots], cache.host(name)[resident])
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS))
+@pytest.mark.parametrize("policy", POLICIES)
+def test_rows_equal_direct_gather_and_counters_add_up(policy, budget):
+    edge, mem = make_tables()
+    stream = make_stream()
+    cache = build(policy, BUDGETS[budget], edge, mem, stream)
+    requested = 0
+    for batch in stream:
+        eids = batch["edge"]
+        rows = cache.lookup("edge", eids)
+        assert torch.equal(rows.expand(), gather(edge, eids))
+        assert torch.equal(rows.ids, torch.unique(eids))
+        assert rows.index.shape == eids.shape
+        nodes = batch["memory"]
+        mrows = cache.lookup("memory", unique=Unique.of(nodes))
+        assert torch.equal(mrows.expand(), mem[nodes])
+        requested += int((eids >= 0).sum())
+    for name in ("edge", "memory"):
+        check_counters(cache, name)
+    c = cache.counters("edge")
+    assert c.requested == requested
+    assert c.batches == len(stream)
+    if budget == "zero":
+        assert c.hits == 0 and cache.capacity("edge") == 0
+    if budget == "all" and policy != "static":
+        # Everything fits: each row crosses once, and only rows that are used.
+        distinct = torch.unique(torch.cat([b["edge"].flatten() for b in stream]))
+        assert c.rows_h2d == int((distinct >= 0).sum())
+    total = cache.counters()
+    assert total.bytes_h2d == c.bytes_h2d + cache.counters("memory").bytes_h2d
+
+
+def test_dedup_reconstructs_the_batch_and_moves_only_unique_rows():
+    edge, mem = make_tables()
+    eids = torch.tensor([[5, 5, 7, -1], [7, 9, 5, -1]])
+    cache = SlimCache({"edge": edge, "memory": mem}, config=CacheConfig(budget_fraction=0.0, policy="lru"))
+    rows = cache.lookup("edge", eids)
+    assert torch.equal(rows.ids, torch.tensor([-1, 5, 7, 9]))
+    assert rows.rows.shape == (4, FEAT)
+    assert torch.equal(rows.rows[0], torch.zeros(FEAT))
+    assert torch.equal(rows.ids[rows.index], eids)
+    c = cache.counters("edge")
+    assert (c.requested, c.lookups, c.rows_h2d) == (6, 3, 3)
+
+
+def run_epoch_with_updates(cache: SlimCache, mem: torch.Tensor, stream, seed: int):
+    """Read memory rows, update a random subset of them, as TGN does for a batch's roots."""
+    reference = mem.clone()
+    g = torch.Generator().manual_seed(seed)
+    for batch in stream:
+        nodes = batch["memory"]
+        rows = cache.lookup("memory", nodes)
+        assert torch.equal(rows.expand(), reference[nodes])
+        cache.lookup("edge", batch["edge"])
+        chosen = rows.ids[torch.rand(rows.ids.numel(), generator=g) < 0.5]
+        extra = torch.randint(0, NODES, (3,), generator=g)  # rows not read this batch
+        ids = torch.unique(torch.cat([chosen, extra]))
+        new = reference[ids] * 0.75 + torch.randn(ids.numel(), MEM, generator=g)
+        reference[ids] = new
+        cache.write("memory", ids, new)
+    cache.flush()
+    return reference
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_write_back_equals_an_all_on_device_run_bit_for_bit(policy):
+    edge, mem = make_tables()
+    stream = make_stream(batches=30, seed=3)
+    cache = build(policy, 0.15, edge, mem, stream, split="proportional")
+    reference = run_epoch_with_updates(cache, mem, stream, seed=4)
+    assert torch.equal(cache.host("memory"), reference)
+    c = cache.counters("memory")
+    assert c.writebacks > 0
+    if policy != "static":
+        assert c.evictions > 0
+    assert not torch.equal(mem, reference)  # the cache works on its own copy
+    # A second epoch continues from the written state.
+    cache.plan(stream)
+    reference = run_epoch_with_updates(cache, reference, stream, seed=5)
+    assert torch.equal(cache.host("memory"), reference)
+
+
+def recorded_streams():
+    """Edge-id streams of a real dataset under recent (1x10) and uniform (2x10) sampling."""
+    from fastopt.data import load_dataset
+    from fastopt.sampling import NumpySampler
+
+    graph = load_dataset("/work/shared/data/CollegeMsg.txt.gz")
+    rng = np.random.default_rng(0)
+    pool = graph.destination_pool()
+    streams = {}
+    for label, fanouts, strategy in (("recent", [10], "recent"), ("uniform", [10, 10], "uniform")):
+        sampler = NumpySampler(graph, fanouts=fanouts, strategy=strategy, seed=0)
+        batches = []
+        for start in range(0, 12000, 200):
+            src, dst, ts = (a[start:start + 200] for a in (graph.src, graph.dst, graph.ts))
+            neg = rng.choice(pool, src.size)
+            sampled = sampler.sample(np.concatenate([src, dst, neg]), np.concatenate([ts, ts, ts]))
+            values = sampled.unique_eids.values
+            batches.append(values[values >= 0])
+        streams[label] = (batches, graph.num_events)
+    return streams
+
+
+@lru_cache(maxsize=1)
+def cached_streams():
+    return recorded_streams()
+
+
+@pytest.mark.parametrize("stream_name", ["recent", "uniform"])
+def test_future_matches_the_optimum_and_never_loses_to_lru_on_recorded_streams(stream_name):
+    batches, rows = cached_streams()[stream_name]
+    table = torch.zeros(rows, 1)
+    for capacity in (0, 50, 300, 1500):
+        misses = {}
+        for policy in ("lru", "future"):
+            cache = SlimCache({"e": table}, config=CacheConfig(policy=policy),
+                              budget_bytes=capacity * 4, record=True)
+            cache.plan([{"e": b} for b in batches])
+            for b in batches:
+                cache.lookup("e", b)
+            misses[policy] = cache.counters("e").misses
+        optimum = belady_optimum(batches, capacity).misses
+        assert misses["future"] == optimum
+        assert misses["future"] <= misses["lru"]
+    assert optimum < misses["lru"] or capacity == 0
+
+
+def brute_force_optimum(stream, capacity: int) -> int:
+    """Fewest misses over every schedule: after a batch keep any subset of residents + batch."""
+    best = {frozenset(): 0}
+    for batch in stream:
+        batch = frozenset(batch)
+        nxt = {}
+        for state, cost in best.items():
+            cost += len(batch - state)
+            pool = sorted(state | batch)
+            for size in range(min(capacity, len(pool)) + 1):
+                for keep in itertools.combinations(pool, size):
+                    key = frozenset(keep)
+                    if nxt.get(key, 1 << 30) > cost:
+                        nxt[key] = cost
+        best = nxt
+    return min(best.values())
+
+
+def future_misses(stream, capacity: int, rows: int = 8) -> int:
+    cache = SlimCache({"t": torch.arange(rows, dtype=torch.float32)},
+                      config=CacheConfig(policy="future"), budget_bytes=capacity * 4)
+    cache.plan([{"t": torch.tensor(b, dtype=torch.int64)} for b in stream])
+    for b in stream:
+        rows_out = cache.lookup("t", torch.tensor(b, dtype=torch.int64))
+        assert torch.equal(rows_out.expand(), torch.tensor(b, dtype=torch.float32))
+    return cache.counters("t").misses
+
+
+HANDMADE = [
+    # Classic Belady: keep 1 and 2, whose reuse comes first.
+    ([[1], [2], [3], [1], [2], [3], [1]], 2),
+    # A batch larger than the cache: some of its rows bypass.
+    ([[0, 1, 2, 3], [0, 1], [2, 3], [0, 1, 2, 3]], 2),
+    # LRU thrashes on a cyclic scan; the optimum keeps part of the cycle.
+    ([[0], [1], [2], [3], [0], [1], [2], [3], [0], [1]], 3),
+    ([[0, 1], [2, 3], [0, 2], [1, 3], [0, 1, 2], [3]], 1),
+]
+
+
+@pytest.mark.parametrize("stream,capacity", HANDMADE)
+def test_future_equals_the_offline_optimum_on_handmade_streams(stream, capacity):
+    optimum = brute_force_optimum(stream, capacity)
+    assert belady_optimum(stream, capacity).misses == optimum
+    assert future_misses(stream, capacity) == optimum
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True),
+                min_size=1, max_size=6),
+       st.integers(0, 3))
+def test_future_equals_brute_force_on_random_small_streams(stream, capacity):
+    optimum = brute_force_optimum(stream, capacity)
+    assert belady_optimum(stream, capacity, num_rows=8).misses == optimum
+    assert future_misses(stream, capacity) == optimum
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_future_with_a_short_lookahead_serves_correct_rows(window, seed):
+    """Announcing only ``window`` batches ahead still serves exact rows, never beating the optimum."""
+    edge, mem = make_tables(seed % 7)
+    stream = make_stream(batches=12, seed=seed % 1000)
+    cache = SlimCache({"edge": edge}, config=CacheConfig(policy="future", budget_fraction=0.1),
+                      record=True)
+    cache.begin_epoch()
+    for b in stream[:window]:
+        cache.announce({"edge": b["edge"]})
+    for i, b in enumerate(stream):
+        if i + window < len(stream):
+            cache.announce({"edge": stream[i + window]["edge"]})
+        assert torch.equal(cache.lookup("edge", b["edge"]).expand(), gather(edge, b["edge"]))
+    check_counters(cache, "edge")
+    assert cache.counters("edge").misses >= cache.optimum("edge").misses
+
+
+def test_staged_lookups_are_double_buffered_and_finish_in_order():
+    edge, mem = make_tables()
+    stream = make_stream()
+    cache = build("future", 0.2, edge, mem, stream)
+    pending = [cache.stage("edge", stream[0]["edge"]), cache.stage("edge", stream[1]["edge"])]
+    with pytest.raises(CacheError, match="limit is 2"):
+        cache.stage("edge", stream[2]["edge"])
+    with pytest.raises(CacheError, match="order"):
+        cache.finish(pending[1])
+    for i in range(2, len(stream)):
+        done = cache.finish(pending.pop(0))
+        assert torch.equal(done.expand(), gather(edge, stream[i - 2]["edge"]))
+        pending.append(cache.stage("edge", stream[i]["edge"]))
+    for i, p in zip((len(stream) - 2, len(stream) - 1), pending):
+        assert torch.equal(cache.finish(p).expand(), gather(edge, stream[i]["edge"]))
+    check_counters(cache, "edge")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_reduced_precision_transfer_halves_the_bytes(dtype):
+    edge, mem = make_tables()
+    stream = make_stream()
+    full = build("lru", 0.2, edge, mem, stream, split="proportional")
+    half = build("lru", 0.2, edge, mem, stream, split="proportional", transfer_dtype=dtype)
+    for batch in stream:
+        rows = half.lookup("edge", batch["edge"]).expand()
+        assert rows.dtype == getattr(torch, dtype)
+        assert torch.equal(rows, gather(edge.to(rows.dtype), batch["edge"]))
+        full.lookup("edge", batch["edge"])
+        # Read-write state always travels at full precision.
+        assert half.lookup("memory", batch["memory"]).rows.dtype == torch.float32
+        full.lookup("memory", batch["memory"])
+    assert half.capacity("edge") == full.capacity("edge")
+    assert half.counters("edge").misses == full.counters("edge").misses
+    assert half.counters("edge").bytes_h2d * 2 == full.counters("edge").bytes_h2d > 0
+
+
+def test_greedy_split_gives_the_budget_to_the_most_hits_per_byte():
+    edge, mem = make_tables()
+    stream = make_stream()
+    budget = NODES * MEM * 4  # exactly the memory table
+    greedy = SlimCache({"edge": edge, "memory": mem}, config=CacheConfig(policy="static"),
+                       budget_bytes=budget)
+    greedy.plan(stream)
+    proportional = SlimCache({"edge": edge, "memory": mem},
+                             config=CacheConfig(policy="static", split="proportional"),
+                             budget_bytes=budget)
+    proportional.plan(stream)
+    total = EDGES * FEAT * 4 + NODES * MEM * 4
+    assert proportional.capacity("edge") == budget * EDGES * FEAT * 4 // total // (FEAT * 4)
+    assert proportional.capacity("memory") == budget * NODES * MEM * 4 // total // (MEM * 4)
+    # Memory rows are used in more batches and are smaller: they take most of the budget.
+    assert greedy.capacity("memory") > 0.7 * NODES
+    assert greedy.capacity("memory") > 4 * proportional.capacity("memory")
+    assert (greedy.capacity("memory") * MEM + greedy.capacity("edge") * FEAT) * 4 <= budget
+
+
+def test_auto_picks_the_policy_moving_fewest_rows_on_the_sample():
+    edge, mem = make_tables()
+    stream = make_stream()
+    cache = build("auto", 0.1, edge, mem, stream)
+    # With the epoch's batches announced, Belady's rule cannot move more rows than the others.
+    assert cache.policy("edge") == "future"
+    unplanned = SlimCache({"edge": edge}, config=CacheConfig(policy="auto", budget_fraction=0.1))
+    unplanned.lookup("edge", stream[0]["edge"])
+    assert unplanned.policy("edge") == "lru"
+
+
+def test_bad_input_raises_cache_errors_that_name_value_and_limit():
+    edge, mem = make_tables()
+    with pytest.raises(CacheError, match=r"-5"):
+        SlimCache({"edge": edge}, budget_bytes=-5)
+    with pytest.raises(CacheError, match="policy.*'belady'"):
+        SlimCache({"edge": edge}, config=CacheConfig(policy="belady"))
+    with pytest.raises(CacheError, match=r"budget_fraction.*1\.5"):
+        SlimCache({"edge": edge}, config=CacheConfig(budget_fraction=1.5))
+    with pytest.raises(CacheError, match="width 6 but width 172"):
+        SlimCache({"edge": CacheTable(edge, width=172)})
+    with pytest.raises(CacheError, match="float64"):
+        SlimCache({"edge": CacheTable(edge, dtype=torch.float64)})
+    cache = SlimCache({"edge": edge, "memory": CacheTable(mem, writable=True)},
+                      config=CacheConfig(policy="lru", budget_fraction=0.5))
+    with pytest.raises(CacheError, match=f"{EDGES}"):
+        cache.lookup("edge", torch.tensor([EDGES]))
+    with pytest.raises(CacheError, match="-2"):
+        cache.lookup("edge", torch.tensor([-2, 3]))
+    with pytest.raises(CacheError, match="float64"):
+        cache.write("memory", torch.tensor([1]), torch.zeros(1, MEM, dtype=torch.float64))
+    with pytest.raises(CacheError, match=r"\(1, 3\)"):
+        cache.write("memory", torch.tensor([1]), torch.zeros(1, 3))
+    with pytest.raises(CacheError, match="static"):
+        cache.write("edge", torch.tensor([1]), torch.zeros(1, FEAT))
+    with pytest.raises(CacheError, match="repeat"):
+        cache.write("memory", torch.tensor([1, 1]), torch.zeros(2, MEM))
+    with pytest.raises(CacheError, match="read-write"):
+        cache.stage("memory", torch.tensor([1]))
+    with pytest.raises(CacheError, match="unknown cache table 'nope'"):
+        cache.lookup("nope", torch.tensor([1]))
+    future = SlimCache({"edge": edge}, config=CacheConfig(policy="future"))
+    future.plan([{"edge": torch.tensor([1, 2])}])
+    with pytest.raises(CacheError, match="announced"):
+        future.lookup("edge", torch.tensor([3]))
+    future.lookup("edge", torch.tensor([2, 1, 1]))
+    with pytest.raises(CacheError, match="batch 1 is looked up but only 1"):
+        future.lookup("edge", torch.tensor([1]))
+    with pytest.raises(CacheError, match="plan"):
+        SlimCache({"edge": edge}, config=CacheConfig(policy="static")).lookup("edge", torch.tensor([1]))
+    assert issubclass(CacheError, FastOptError)
