@@ -81,6 +81,17 @@ def _launch(fn, cfg: KernelConfig, grid: Tuple[int, int], *args) -> None:
     fn[grid](*args, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def _empty(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An output buffer every element of which the kernel must write (NaN-filled when poisoning)."""
+    if default_config().kernels.poison_outputs:
+        return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def _empty_like(t: Tensor) -> Tensor:
+    return _empty(t.shape, t.dtype, t.device)
+
+
 def _mask_form(mask: Optional[Tensor], indptr: Optional[Tensor]) -> str:
     if mask is not None:
         return "mask"
@@ -123,8 +134,8 @@ def _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p
     cfg = _config(spec["K"], heads, dim, q.device)
     spec["k_blocks"] = -(-spec["K"] // cfg.block_k)
     fn = _kernel("temporal_attention", cfg, q.device, backward_mode="", write_coef=False, **spec)
-    out = torch.empty_like(q)
-    lse = torch.empty(rows, heads, device=q.device, dtype=_acc_dtype(q.dtype))
+    out = _empty_like(q)
+    lse = _empty((rows, heads), _acc_dtype(q.dtype), q.device)
     mask_arg, indptr_arg = _mask_arg(mask, indptr, q)
     threshold, drop_scale = _dropout_args(dropout_p)
     _launch(fn, cfg, cfg.grid(rows, heads), q, k, v, mask_arg, indptr_arg,
@@ -148,19 +159,19 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
     fn = _kernel("temporal_attention", cfg, q.device, backward_mode=mode, write_coef=write_coef,
                  grad_dtype=spec["dtype"], **spec)
     acc = _acc_dtype(q.dtype)
-    dq = torch.empty_like(q)
+    dq = _empty_like(q)
 
     def grad_buffer(t: Tensor, index: Optional[Tensor]) -> Tensor:
         if index is None:
-            return torch.empty_like(t)
+            return _empty_like(t)
         if mode == "atomic":
             return torch.zeros(t.shape, device=t.device, dtype=acc)
         return q  # unused: rows are produced by segment_reduce below
 
     dk, dv = grad_buffer(k, k_index), grad_buffer(v, v_index)
     coef_shape = (rows, heads, slots) if write_coef else (1,)
-    ds_coef = torch.empty(coef_shape, device=q.device, dtype=acc)
-    pd_coef = torch.empty(coef_shape, device=q.device, dtype=acc)
+    ds_coef = _empty(coef_shape, acc, q.device)
+    pd_coef = _empty(coef_shape, acc, q.device)
     mask_arg, indptr_arg = _mask_arg(mask, indptr, q)
     threshold, drop_scale = _dropout_args(dropout_p)
     _launch(fn, cfg, cfg.grid(rows, heads), q, k, v, mask_arg, indptr_arg,
@@ -277,7 +288,7 @@ def segment_reduce(coef: Tensor, x: Tensor, index: Tensor, table_rows: int, dtyp
     cfg = _config(slots, heads, dim, x.device)
     fn = _kernel("segment_reduce", cfg, x.device, K=slots, H=heads, D=dim,
                  dtype=_TL_DTYPES[dtype], acc=_TL_DTYPES[coef.dtype], block_s=cfg.block_k)
-    out = torch.empty((table_rows, heads, dim), device=x.device, dtype=dtype)
+    out = _empty((table_rows, heads, dim), dtype, x.device)
     _launch(fn, cfg, cfg.grid(table_rows, heads), coef, x, perm, segptr, out, table_rows)
     return out
 
@@ -310,7 +321,7 @@ def aggregate_forward(x: Tensor, mask=None, indptr=None, *, index=None, reduce="
     """Forward kernel of ``fastopt::masked_aggregate``."""
     rows, slots, feature_shape = _aggregate_shape(x, index)
     features = math.prod(feature_shape)
-    out = torch.empty((rows, *feature_shape), device=x.device, dtype=x.dtype)
+    out = _empty((rows, *feature_shape), x.dtype, x.device)
     _aggregate_launch("forward", x, mask, indptr, index, reduce, rows, slots, features, out)
     return out
 
@@ -323,11 +334,11 @@ def aggregate_backward(grad_out: Tensor, x: Tensor, mask=None, indptr=None, *, i
     mode = default_config().kernels.backward_mode if index is not None else ""
     acc = _acc_dtype(x.dtype)
     if index is None:
-        dx, coef = torch.empty_like(x), x
+        dx, coef = _empty_like(x), x
     elif mode == "atomic":
         dx, coef = torch.zeros(x.shape, device=x.device, dtype=acc), x
     else:
-        dx, coef = x, torch.empty((rows, 1, slots), device=x.device, dtype=acc)
+        dx, coef = x, _empty((rows, 1, slots), acc, x.device)
     _aggregate_launch("backward", x, mask, indptr, index, reduce, rows, slots, features,
                       grad_out, dx, coef, backward_mode=mode)
     if index is None:
@@ -355,7 +366,7 @@ def _time_encode_kernel(stage: str, dt: Tensor, w: Tensor):
 def time_encode_forward(dt: Tensor, w: Tensor, b: Tensor) -> Tensor:
     """Forward kernel of ``fastopt::time_encode``."""
     fn, cfg = _time_encode_kernel("forward", dt, w)
-    out = torch.empty((*dt.shape, w.shape[0]), device=dt.device, dtype=w.dtype)
+    out = _empty((*dt.shape, w.shape[0]), w.dtype, dt.device)
     count = dt.numel()
     _launch(fn, cfg, (-(-count // cfg.block_k), 1), dt, w, b, out, count)
     return out
@@ -367,7 +378,7 @@ def time_encode_backward(grad_out: Tensor, dt: Tensor, w: Tensor,
     fn, cfg = _time_encode_kernel("backward", dt, w)
     count = dt.numel()
     programs = -(-count // cfg.block_k)
-    ddt = torch.empty_like(dt)
+    ddt = _empty_like(dt)
     partial = torch.zeros((max(programs, 1), 2, w.shape[0]), device=dt.device,
                           dtype=_acc_dtype(w.dtype))
     _launch(fn, cfg, (programs, 1), dt, w, b, grad_out, ddt, partial, count)

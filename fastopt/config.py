@@ -86,6 +86,8 @@ class KernelsConfig:
     backend: str = "auto"
     # check index ranges and CSR counts of fused-op inputs (one device sync per call on CUDA)
     check_inputs: bool = True
+    # fill kernel outputs with NaN before each launch (tests: catches elements a kernel never writes)
+    poison_outputs: bool = False
 
 
 @dataclass

@@ -1,0 +1,215 @@
+"""Generated kernels against the float64 references: forward and backward, every variant.
+
+Cases cover each value of each axis (K in 1, 7, 10, 32; H in 1, 2, 4; d in 16, 50, 64, 100;
+mask / CSR / all valid; dense / indexed / mixed; both backward modes; dropout on and off) without
+the full cross product, which the interpreter could not run quickly. Every masked case has a row
+with no valid neighbor and a row with all of them; outputs are NaN-poisoned before each launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastopt.codegen as cg
+import fastopt.config as fconfig
+from codegen_inputs import as_double, neighbors, randn, rel_error, table_index
+from fastopt.codegen import reference
+
+pytestmark = pytest.mark.usefixtures("triton_backend")
+
+TOL = 1e-4
+
+# (M, K, H, d, form, keys, values, dropout_p, backward_mode)
+ATTENTION_CASES = [
+    (4, 1, 1, 16, "mask", "dense", "dense", 0.0, "deterministic"),
+    (5, 7, 2, 50, "csr", "indexed", "indexed", 0.0, "deterministic"),
+    (4, 10, 4, 64, "none", "indexed", "dense", 0.0, "atomic"),
+    (3, 32, 2, 100, "mask", "indexed", "indexed", 0.0, "atomic"),
+    (6, 10, 2, 50, "csr", "dense", "dense", 0.25, "deterministic"),
+    (4, 7, 1, 100, "mask", "dense", "indexed", 0.0, "deterministic"),
+    (3, 32, 4, 16, "csr", "indexed", "indexed", 0.5, "deterministic"),
+    (8, 1, 2, 64, "csr", "indexed", "indexed", 0.0, "atomic"),
+    (5, 10, 1, 50, "mask", "indexed", "indexed", 0.3, "atomic"),
+]
+
+
+def _attention_inputs(case, device, dtype=torch.float32, seed=0):
+    rows, slots, heads, dim, form, keys, values, _, _ = case
+    gen = torch.Generator().manual_seed(seed)
+    table_rows = max(2, rows * slots // 3)
+    q = randn(rows, heads, dim, generator=gen, device=device, dtype=dtype)
+
+    def side(kind):
+        if kind == "dense":
+            return randn(rows, slots, heads, dim, generator=gen, device=device, dtype=dtype), None
+        return (randn(table_rows, heads, dim, generator=gen, device=device, dtype=dtype),
+                table_index(rows, slots, table_rows, gen, device))
+
+    k, k_index = side(keys)
+    v, v_index = side(values)
+    valid = neighbors(rows, slots, gen, device).form(form)
+    return (q, k, v), dict(k_index=k_index, v_index=v_index, **valid)
+
+
+def _check_against_reference(op, ref_op, tensors, kwargs, tol=TOL):
+    """Forward and backward of ``op`` (kernels) against ``ref_op`` on float64 copies."""
+    out = op(*tensors, **kwargs)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(7),
+                       dtype=torch.float64).to(out)
+    grads = torch.autograd.grad(out, tensors, grad)
+    doubles = [as_double(t) for t in tensors]
+    ref = ref_op(*doubles, **kwargs)
+    ref_grads = torch.autograd.grad(ref, doubles, grad.double())
+    assert rel_error(out, ref) < tol, "forward"
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert rel_error(g, r) < tol, f"gradient of input {i}"
+    return out, grads
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_temporal_attention_matches_reference(case, device):
+    tensors, kwargs = _attention_inputs(case, device)
+    kwargs.update(dropout_p=case[7], seed=11)
+    with fconfig.patch(kernels__backward_mode=case[8]):
+        out, _ = _check_against_reference(cg.temporal_attention, reference.temporal_attention,
+                                          tensors, kwargs)
+    if "mask" in kwargs or "indptr" in kwargs:
+        assert torch.all(out[0] == 0), "a row without valid neighbors must give zeros"
+
+
+def test_forward_saves_log_sum_exp(device):
+    tensors, kwargs = _attention_inputs(ATTENTION_CASES[1], device)
+    out, lse = torch.ops.fastopt.temporal_attention(*tensors, None, kwargs["indptr"],
+                                                    kwargs["k_index"], kwargs["v_index"], 0.3,
+                                                    0.0, 0)
+    doubles = [t.detach().double() for t in tensors]
+    _, ref_lse = reference.temporal_attention_forward(
+        *doubles, indptr=kwargs.get("indptr"), k_index=kwargs["k_index"],
+        v_index=kwargs["v_index"], scale=0.3)
+    finite = torch.isfinite(ref_lse.cpu())
+    assert torch.equal(torch.isfinite(lse.cpu()), finite)
+    assert rel_error(lse.cpu()[finite], ref_lse.cpu()[finite]) < TOL
+    assert torch.all(lse.cpu()[~finite] == float("inf"))
+
+
+def test_time_encoded_attention_matches_reference(device):
+    gen = torch.Generator().manual_seed(3)
+    (q, k, v), kwargs = _attention_inputs(ATTENTION_CASES[1], device, seed=3)
+    rows, slots = kwargs["k_index"].shape
+    heads, dim = q.shape[1:]
+    width = 12
+    dt = (torch.rand(rows, slots, generator=gen) * 50).to(device).requires_grad_()
+    time_w = randn(width, generator=gen, device=device, scale=0.2)
+    time_b = randn(width, generator=gen, device=device)
+    k_proj = randn(width, heads, dim, generator=gen, device=device, scale=0.3)
+    v_proj = randn(width, heads, dim, generator=gen, device=device, scale=0.3)
+    kwargs.update(dropout_p=0.2, seed=5)
+    for mode in ("deterministic", "atomic"):
+        with fconfig.patch(kernels__backward_mode=mode):
+            _check_against_reference(cg.time_encoded_attention,
+                                     reference.time_encoded_attention,
+                                     (q, k, v, dt, time_w, time_b, k_proj, v_proj), kwargs)
+
+
+@pytest.mark.parametrize("form", ["mask", "csr", "none"])
+@pytest.mark.parametrize("reduce", ["mean", "sum"])
+@pytest.mark.parametrize("indexed,mode", [(False, "deterministic"), (True, "deterministic"),
+                                          (True, "atomic")])
+def test_masked_aggregate_matches_reference(form, reduce, indexed, mode, device):
+    gen = torch.Generator().manual_seed(1)
+    rows, slots, features, table_rows = 6, 10, 50, 9
+    if indexed:
+        x = randn(table_rows, 2, features, generator=gen, device=device)
+        kwargs = dict(index=table_index(rows, slots, table_rows, gen, device))
+    else:
+        x = randn(rows, slots, features, generator=gen, device=device)
+        kwargs = {}
+    kwargs.update(neighbors(rows, slots, gen, device).form(form), reduce=reduce)
+    with fconfig.patch(kernels__backward_mode=mode):
+        out, _ = _check_against_reference(cg.masked_aggregate, reference.masked_aggregate, (x,),
+                                          kwargs)
+    if form != "none":
+        assert torch.all(out[0] == 0)
+
+
+def test_time_encode_matches_reference(device):
+    gen = torch.Generator().manual_seed(2)
+    dt = (torch.rand(70, 3, generator=gen) * 100).to(device).requires_grad_()
+    w = randn(100, generator=gen, device=device, scale=0.1)
+    b = randn(100, generator=gen, device=device)
+    _check_against_reference(cg.time_encode, reference.time_encode, (dt, w, b), {})
+
+
+def test_indexed_backward_is_deterministic(device):
+    case = (8, 10, 2, 50, "csr", "indexed", "indexed", 0.0, "deterministic")
+    tensors, kwargs = _attention_inputs(case, device)
+    runs = []
+    for _ in range(2):
+        out = cg.temporal_attention(*tensors, **kwargs)
+        runs.append(torch.autograd.grad(out.sum(), tensors))
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+def test_dropout_determinism_and_seed(device):
+    case = (5, 10, 2, 16, "none", "indexed", "indexed", 0.3, "deterministic")
+    tensors, kwargs = _attention_inputs(case, device)
+    first = cg.temporal_attention(*tensors, dropout_p=0.3, seed=1, **kwargs)
+    again = cg.temporal_attention(*tensors, dropout_p=0.3, seed=1, **kwargs)
+    other = cg.temporal_attention(*tensors, dropout_p=0.3, seed=2, **kwargs)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+def test_dropout_keeps_expected_fraction(device):
+    """Uniform attention over one-hot values exposes every keep decision in the output."""
+    rows, slots, heads, p = 8, 32, 2, 0.3
+    q = torch.zeros(rows, heads, slots, device=device)
+    eye = torch.eye(slots, device=device)
+    v = eye[None, :, None, :].expand(rows, slots, heads, slots).contiguous()
+    k = torch.zeros_like(v)
+    out = cg.temporal_attention(q, k, v, dropout_p=p, seed=123)
+    kept = out.cpu() * slots * (1 - p)
+    assert torch.allclose(kept, kept.round(), atol=1e-4), "each weight is dropped or scaled"
+    keep = kept.round()
+    draws = keep.numel()
+    fraction = keep.mean().item()
+    assert abs(fraction - (1 - p)) < 4 * ((p * (1 - p)) / draws) ** 0.5
+    expected = reference._attention_dropout(123, p, rows, heads, slots, torch.device("cpu"))
+    assert torch.equal(keep.bool(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_accumulates_in_float32(dtype, device):
+    case = (4, 10, 2, 64, "csr", "indexed", "indexed", 0.0, "deterministic")
+    tensors, kwargs = _attention_inputs(case, device, dtype=dtype)
+    out = cg.temporal_attention(*tensors, **kwargs)
+    assert out.dtype == dtype
+    grads = torch.autograd.grad(out.float().sum(), tensors)
+    doubles = [as_double(t) for t in tensors]
+    ref = reference.temporal_attention(*doubles, **kwargs)
+    ref_grads = torch.autograd.grad(ref.sum(), doubles)
+    tol = 1e-2 if dtype == torch.float16 else 2e-2
+    assert rel_error(out, ref) < tol
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == dtype
+        assert rel_error(g, r) < tol
+
+
+def test_gradcheck_through_kernels(device):
+    """float64 kernels (float64 accumulation) pass gradcheck, indexed keys and CSR rows."""
+    gen = torch.Generator().manual_seed(4)
+    rows, slots, heads, dim, table_rows = 3, 3, 2, 4, 4
+    q = randn(rows, heads, dim, generator=gen, device=device, dtype=torch.float64)
+    k = randn(table_rows, heads, dim, generator=gen, device=device, dtype=torch.float64)
+    v = randn(table_rows, heads, dim, generator=gen, device=device, dtype=torch.float64)
+    index = table_index(rows, slots, table_rows, gen, device)
+    indptr = torch.tensor([0, 2, 2, 5], device=device)
+
+    def fn(q, k, v):
+        return cg.temporal_attention(q, k, v, indptr=indptr, k_index=index, v_index=index,
+                                     dropout_p=0.2, seed=9)
+
+    with fconfig.patch(kernels__poison_outputs=False):
+        assert torch.autograd.gradcheck(fn, (q, k, v))
