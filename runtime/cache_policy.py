@@ -218,6 +218,9 @@ class SlotDirectory:
         self.last_use = torch.full((capacity,), -1, dtype=torch.int64)
         self.dirty = torch.zeros(capacity, dtype=torch.bool)
         self.batch = 0  # batches looked up so far
+        # Slots are filled in order and a freed slot is refilled at once, so [filled, capacity)
+        # are exactly the free slots.
+        self.filled = 0
 
     @property
     def resident(self) -> int:
@@ -225,10 +228,11 @@ class SlotDirectory:
 
     def preload(self, ids: torch.Tensor) -> torch.Tensor:
         """Place ``ids`` (at most ``capacity``, distinct, not resident) in free slots; returns the slots."""
-        free = torch.nonzero(self.id_of < 0).flatten()[: ids.numel()]
-        if free.numel() < ids.numel():
-            raise CacheError(f"cannot preload {ids.numel()} rows into {free.numel()} free slots; "
-                             f"preload at most the cache's capacity ({self.capacity} rows)")
+        if ids.numel() > self.capacity - self.filled:
+            raise CacheError(f"cannot preload {ids.numel()} rows into {self.capacity - self.filled} "
+                             f"free slots; preload at most the cache's capacity ({self.capacity} rows)")
+        free = torch.arange(self.filled, self.filled + ids.numel())
+        self.filled += ids.numel()
         self.slot_of[ids] = free.to(torch.int32)
         self.id_of[free] = ids
         self.dirty[free] = False
@@ -263,6 +267,12 @@ class SlotDirectory:
         if m == 0 or not self.policy.admits:
             return plan
         miss_next = next_use[miss_pos]
+        if m <= self.capacity - self.filled:
+            # Room for every miss: the ranking below would drop only free slots.
+            admit_sel = torch.arange(m)
+            freed = torch.arange(self.filled, self.filled + m)
+            self.filled += m
+            return self._admit(plan, values, t, admit_sel, freed, miss_next)
         miss_keys = self.policy.keys(miss_next, torch.full_like(miss_next, t))
         # Drop the m largest keys among residents and misses; doubling the keys and adding 1 to
         # the misses' makes residents win ties, so an equal miss never displaces a resident.
@@ -276,12 +286,18 @@ class SlotDirectory:
         kept[drop[drop >= self.capacity] - self.capacity] = False
         admit_sel = torch.nonzero(kept).flatten()
         freed, _ = torch.sort(freed)
+        self.filled = max(self.filled, int(freed[-1]) + 1)
+        return self._admit(plan, values, t, admit_sel, freed, miss_next)
+
+    def _admit(self, plan: AccessPlan, values: torch.Tensor, t: int, admit_sel: torch.Tensor,
+               freed: torch.Tensor, miss_next: torch.Tensor) -> AccessPlan:
+        """Give ``freed`` slots to the misses at ``admit_sel``, evicting their residents."""
         old = self.id_of[freed]
         occupied = old >= 0
         plan.evict_ids, plan.evict_slots = old[occupied], freed[occupied]
         plan.evict_dirty = self.dirty[plan.evict_slots].clone()
         self.slot_of[plan.evict_ids] = -1
-        admit_ids = values[miss_pos[admit_sel]]
+        admit_ids = values[plan.miss_pos[admit_sel]]
         self.slot_of[admit_ids] = freed.to(torch.int32)
         self.id_of[freed] = admit_ids
         self.next_use[freed] = miss_next[admit_sel]
