@@ -2,7 +2,8 @@
 
 Shapes, dtypes and devices are always checked (free). Index ranges and CSR counts need the
 values, i.e. one device synchronization on CUDA; they are checked when
-``config.kernels.check_inputs`` is on (the default) and skipped by benchmarks and tuned runs.
+``config.kernels.check_inputs`` is on (the default) and the call is not being traced by
+``torch.compile``; benchmarks and tuned runs switch them off.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def _same_device(reference: Tensor, **tensors: Optional[Tensor]) -> None:
 
 
 def _check_values() -> bool:
-    return default_config().kernels.check_inputs
+    # Value checks read data; inside a torch.compile trace there is none (they run eagerly only).
+    return not torch.compiler.is_compiling() and default_config().kernels.check_inputs
 
 
 def _index(name: str, index: Tensor, rows: int, table_rows: int) -> int:

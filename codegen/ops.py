@@ -20,6 +20,7 @@ CPU through the Triton interpreter, ``TRITON_INTERPRET=1``: how CI tests the ker
 
 from __future__ import annotations
 
+import math
 import os
 from typing import List, Optional, Tuple
 
@@ -64,7 +65,7 @@ def _kernels():
 
 
 def _scale(q: Tensor, scale: Optional[float]) -> float:
-    return float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,48 @@
+"""Thread mapping: heuristic defaults, knob overrides, limits."""
+
+from __future__ import annotations
+
+import pytest
+
+import fastopt.config as fconfig
+from fastopt.codegen.kernel_config import KernelConfig, heuristic_config, next_power_of_2
+from fastopt.errors import ConfigError, KernelError
+
+
+@pytest.mark.parametrize("slots,heads,dim", [(1, 1, 16), (7, 2, 50), (10, 2, 100), (32, 4, 64),
+                                             (10, 8, 1000)])
+def test_heuristic_covers_the_problem(slots, heads, dim):
+    cfg = heuristic_config(slots, heads, dim)
+    assert cfg.block_d == next_power_of_2(dim)
+    assert cfg.block_k * cfg.heads_per_program * cfg.block_d <= 8192
+    assert 2 <= cfg.num_warps <= 8
+    rows, groups = cfg.grid(100, heads)
+    assert rows * cfg.rows_per_program >= 100 and groups * cfg.heads_per_program >= heads
+
+
+def test_hopper_gets_more_stages():
+    assert heuristic_config(10, 2, 50, (9, 0)).num_stages > heuristic_config(10, 2, 50, (8, 0)).num_stages
+
+
+def test_knobs_override_heuristics():
+    with fconfig.patch(kernels__rows_per_program=4, kernels__num_warps=8, kernels__block_k=4,
+                       kernels__heads_per_program=3):
+        cfg = heuristic_config(10, 4, 50)
+    assert (cfg.rows_per_program, cfg.num_warps, cfg.block_k, cfg.heads_per_program) == (4, 8, 4, 4)
+    assert heuristic_config(10, 4, 50, apply_knobs=False).rows_per_program == 1
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (KernelConfig(block_k=12), "block_k=12 must be a power of two; use 16"),
+    (KernelConfig(block_d=32), "block_d=32 is below the head dimension d=50; use block_d=64"),
+    (KernelConfig(block_d=64, num_warps=0), "num_warps=0 must be >= 1"),
+])
+def test_invalid_mapping_names_value_and_fix(cfg, match):
+    with pytest.raises(KernelError, match=match):
+        cfg.validate(10, 2, 50)
+
+
+def test_config_rejects_unknown_backend():
+    with pytest.raises(ConfigError, match="kernels.backend"):
+        with fconfig.patch(kernels__backend="cuda"):
+            pass

@@ -1,0 +1,159 @@
+"""The custom ops as torch sees them: registration, fake tensors, compile, backend choice, checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastopt.codegen as cg
+import fastopt.config as fconfig
+from codegen_inputs import neighbors, randn, table_index
+from fastopt.codegen import reference
+from fastopt.errors import KernelError
+
+
+def _attention_args(rows=4, slots=5, heads=2, dim=8, table_rows=6, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(0)
+    q = randn(rows, heads, dim, generator=gen, device="cpu", dtype=dtype)
+    k = randn(table_rows, heads, dim, generator=gen, device="cpu", dtype=dtype)
+    v = randn(table_rows, heads, dim, generator=gen, device="cpu", dtype=dtype)
+    index = table_index(rows, slots, table_rows, gen, "cpu")
+    nbrs = neighbors(rows, slots, gen, "cpu")
+    return q, k, v, index, nbrs
+
+
+def test_cpu_default_is_the_reference():
+    q, k, v, index, nbrs = _attention_args()
+    assert cg.select_backend(q) == "reference"
+    out = cg.temporal_attention(q, k, v, nbrs.mask, k_index=index, v_index=index)
+    ref = reference.temporal_attention(q, k, v, nbrs.mask, k_index=index, v_index=index)
+    assert torch.equal(out, ref)
+
+
+def test_backend_knob_selects_kernels():
+    q = torch.zeros(1, 1, 1)
+    with fconfig.patch(kernels__backend="reference"):
+        assert cg.select_backend(q) == "reference"
+    with fconfig.patch(kernels__backend="triton", kernels__enabled=False):
+        assert cg.select_backend(q) == "reference"
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with fconfig.patch(kernels__backend="triton"):
+        with pytest.raises(KernelError, match="TRITON_INTERPRET=1"):
+            cg.select_backend(torch.zeros(1))
+
+
+def test_opcheck_temporal_attention():
+    q, k, v, index, nbrs = _attention_args()
+    args = (q, k, v, None, nbrs.indptr, index, index, 0.35, 0.2, 3)
+    torch.library.opcheck(torch.ops.fastopt.temporal_attention.default, args)
+
+
+def test_opcheck_masked_aggregate_and_time_encode():
+    q, k, _, index, nbrs = _attention_args()
+    torch.library.opcheck(torch.ops.fastopt.masked_aggregate.default,
+                          (k, nbrs.mask, None, index, "mean"))
+    dt = torch.rand(4, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(torch.ops.fastopt.time_encode.default, (dt, w, b))
+
+
+def test_opcheck_time_encoded_attention():
+    q, k, v, index, nbrs = _attention_args()
+    dt = torch.rand(4, 5, dtype=torch.float64, requires_grad=True)
+    w, b = (torch.randn(3, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    kp, vp = (torch.randn(3, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    args = (q, k, v, dt, w, b, kp, vp, nbrs.mask, None, index, None, 0.35, 0.0, 0)
+    with pytest.raises(Exception):
+        # v is a table but v_index is None: the op itself does not validate, the wrapper does
+        torch.library.opcheck(torch.ops.fastopt.time_encoded_attention.default, args)
+    dense_v = torch.randn(4, 5, 2, 8, dtype=torch.float64, requires_grad=True)
+    args = (q, k, dense_v, dt, w, b, kp, vp, nbrs.mask, None, index, None, 0.35, 0.0, 0)
+    torch.library.opcheck(torch.ops.fastopt.time_encoded_attention.default, args)
+
+
+def test_reference_gradcheck_all_ops():
+    q, k, v, index, nbrs = _attention_args(rows=3, slots=3, dim=3, table_rows=4)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: cg.temporal_attention(q, k, v, indptr=nbrs.indptr, k_index=index,
+                                              v_index=index, dropout_p=0.3, seed=2), (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda x: cg.masked_aggregate(x, nbrs.mask, index=index, reduce="mean"), (k,))
+
+
+def test_torch_compile_sees_one_op():
+    q, k, v, index, nbrs = _attention_args(dtype=torch.float32)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def layer(q, k, v):
+        return cg.temporal_attention(q, k, v, nbrs.mask, k_index=index, v_index=index).relu()
+
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), layer(q, k, v))
+    op = torch.ops.fastopt.temporal_attention
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum(t in (op, op.default) for t in targets) == 1
+
+
+def test_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(7, 2, 16)
+        k = torch.empty(20, 2, 16)
+        index = torch.zeros(7, 10, dtype=torch.int64)
+        out, lse = torch.ops.fastopt.temporal_attention(q, k, k, None, None, index, index, 0.25,
+                                                        0.0, 0)
+        assert out.shape == (7, 2, 16) and lse.shape == (7, 2)
+        agg = torch.ops.fastopt.masked_aggregate(k, None, None, index, "sum")
+        assert agg.shape == (7, 2, 16)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q=torch.zeros(4, 2)), "q must have 3 dimensions"),
+    (dict(k=torch.zeros(4, 5, 2, 8, dtype=torch.float32)), "dtype torch.float32 but q has"),
+    (dict(k_index=torch.full((4, 5), 6)), "holds 6, outside the table's rows \\[0, 6\\)"),
+    (dict(k_index=torch.zeros(4, 5, dtype=torch.int16)), "int16"),
+    (dict(mask=torch.ones(4, 5)), "must be bool"),
+    (dict(mask=torch.ones(4, 4, dtype=torch.bool)), "expected \\(4, 5\\)"),
+    (dict(indptr=torch.tensor([0, 1, 9, 9, 9])), "8 valid neighbors, outside \\[0, K=5\\]"),
+    (dict(indptr=torch.tensor([0, 1, 2, 3, 4]), mask=torch.ones(4, 5, dtype=torch.bool)),
+     "either mask or indptr"),
+    (dict(dropout_p=1.0), "dropout_p must be in \\[0, 1\\)"),
+    (dict(seed=2**40), "seed must be an int in \\[0, 2\\*\\*31\\)"),
+    (dict(v=torch.zeros(6, 2, 7, dtype=torch.float64)), "heads x dim \\(2, 7\\)"),
+])
+def test_bad_attention_input_names_value_limit_and_fix(change, match):
+    q, k, v, index, _ = _attention_args()
+    args = dict(q=q, k=k, v=v, k_index=index, v_index=index)
+    args.update(change)
+    positional = [args.pop(name) for name in ("q", "k", "v")]
+    with pytest.raises(KernelError, match=match):
+        cg.temporal_attention(*positional, **args)
+
+
+def test_bad_aggregate_and_time_encode_inputs():
+    with pytest.raises(KernelError, match="reduce must be 'mean' or 'sum'"):
+        cg.masked_aggregate(torch.zeros(2, 3, 4), reduce="max")
+    with pytest.raises(KernelError, match="dense neighbors need"):
+        cg.masked_aggregate(torch.zeros(2, 3))
+    with pytest.raises(KernelError, match="b has shape"):
+        cg.time_encode(torch.zeros(3), torch.zeros(4), torch.zeros(5))
+    with pytest.raises(KernelError, match="dtype torch.int64"):
+        cg.time_encode(torch.zeros(3, dtype=torch.int64), torch.zeros(4), torch.zeros(4))
+
+
+def test_index_range_check_can_be_skipped():
+    q, k, v, index, _ = _attention_args()
+    bad = torch.full_like(index, 99)
+    with fconfig.patch(kernels__check_inputs=False):
+        from fastopt.codegen import checks
+
+        checks.check_attention(q, k, v, None, None, bad, bad, None, 0.0, 0)
