@@ -1,0 +1,241 @@
+"""Fused temporal-attention kernels vs the eager PyTorch chain vs torch.compile of that chain.
+
+TGN/TGAT shapes: M destinations (1,800 to 36,000), K = 10 sampled neighbors, H = 2 heads,
+d = 50 and 100, keys/values as rows of unique tables (U = M*K/3) addressed by an index, a
+padded [M, K] mask (some rows empty). For each shape, forward and forward+backward are timed with
+CUDA events after warm-up (median of many runs, L2 flushed before each run), and the forward's
+minimal traffic (q, out, lse, index, mask, each table row once) is compared with a device-to-device
+copy bandwidth measured in the same run.
+
+    python bench/kernels.py --json bench/results/kernels-h200.json
+
+Prints a table and writes JSON with the date, GPU, torch/triton versions, git commit and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from typing import Callable, Dict, List
+
+import torch
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the results to this JSON file")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1800, 18000, 36000],
+                        help="destinations M per batch")
+    parser.add_argument("--dims", type=int, nargs="+", default=[50, 100], help="head dims d")
+    parser.add_argument("--slots", type=int, default=10, help="neighbors K per destination")
+    parser.add_argument("--heads", type=int, default=2, help="heads H")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed runs before timing")
+    parser.add_argument("--iters", type=int, default=100, help="timed runs (median reported)")
+    parser.add_argument("--no-flush", action="store_true", help="do not flush L2 between runs")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    return parser.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------
+# the eager chain a TGNN layer runs (and torch.compile compiles)
+# ----------------------------------------------------------------------------------------------
+
+
+def eager_chain(q, k_table, v_table, index, mask, scale: float):
+    """Gather, score, masked edge softmax, weighted sum: the unfused layer."""
+    k = k_table[index]
+    v = v_table[index]
+    scores = torch.einsum("mhd,mkhd->mhk", q, k) * scale
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    weights = weights.masked_fill(~mask[:, None, :], 0.0)
+    return torch.einsum("mhk,mkhd->mhd", weights, v)
+
+
+def fused(q, k_table, v_table, index, mask, scale: float):
+    from fastopt.codegen import temporal_attention
+
+    return temporal_attention(q, k_table, v_table, mask, k_index=index, v_index=index, scale=scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+# ----------------------------------------------------------------------------------------------
+
+
+class Timer:
+    """Median milliseconds of a CUDA callable, timed with events, L2 flushed before each run."""
+
+    def __init__(self, warmup: int, iters: int, flush: bool):
+        self.warmup, self.iters = warmup, iters
+        l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
+        self.scrub = torch.empty(max(4 * l2, 256 << 20), dtype=torch.uint8, device="cuda") if flush else None
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        for _ in range(self.warmup):
+            fn()
+        torch.cuda.synchronize()
+        events = []
+        for _ in range(self.iters):
+            if self.scrub is not None:
+                self.scrub.zero_()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def copy_bandwidth(timer: Timer, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def forward_bytes(rows: int, slots: int, heads: int, dim: int, table_rows: int,
+                  elem: int = 4) -> int:
+    """Minimal forward traffic: q and out, lse, the index and mask, each table row once."""
+    qo = 2 * rows * heads * dim * elem
+    lse = rows * heads * 4
+    index_mask = rows * slots * (8 + 1)
+    tables = 2 * table_rows * heads * dim * elem
+    return qo + lse + index_mask + tables
+
+
+def make_inputs(rows: int, slots: int, heads: int, dim: int, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    table_rows = rows * slots // 3
+    q = torch.randn(rows, heads, dim, device="cuda", generator=gen, requires_grad=True)
+    k = torch.randn(table_rows, heads, dim, device="cuda", generator=gen, requires_grad=True)
+    v = torch.randn(table_rows, heads, dim, device="cuda", generator=gen, requires_grad=True)
+    index = torch.randint(0, table_rows, (rows, slots), device="cuda", generator=gen)
+    counts = torch.randint(0, slots + 1, (rows,), device="cuda", generator=gen)
+    mask = torch.arange(slots, device="cuda")[None, :] < counts[:, None]
+    return q, k, v, index, mask, table_rows
+
+
+def run_shape(timer: Timer, rows: int, slots: int, heads: int, dim: int, compile_baseline: bool,
+              bandwidth: float) -> Dict[str, object]:
+    import fastopt.config as fconfig
+
+    q, k, v, index, mask, table_rows = make_inputs(rows, slots, heads, dim)
+    scale = 1.0 / math.sqrt(dim)
+    grad = torch.randn_like(q)
+    impls = {"eager": eager_chain}
+    if compile_baseline:
+        impls["compile"] = torch.compile(eager_chain)
+    result: Dict[str, object] = {"M": rows, "K": slots, "H": heads, "d": dim, "U": table_rows}
+
+    def forward(fn):
+        with torch.no_grad():
+            return fn(q, k, v, index, mask, scale)
+
+    def forward_backward(fn):
+        q.grad = k.grad = v.grad = None
+        fn(q, k, v, index, mask, scale).backward(grad)
+
+    with fconfig.patch(kernels__check_inputs=False):
+        for mode in ("deterministic", "atomic"):
+            with fconfig.patch(kernels__backward_mode=mode):
+                name = "fused" if mode == "deterministic" else "fused_atomic"
+                if mode == "deterministic":
+                    result["fused_fwd_ms"] = timer(lambda: forward(fused))
+                result[f"{name}_fwdbwd_ms"] = timer(lambda: forward_backward(fused))
+        reference_out = forward(eager_chain)
+        fused_out = forward(fused)
+        result["max_abs_diff"] = float((reference_out - fused_out).abs().max())
+    for name, fn in impls.items():
+        result[f"{name}_fwd_ms"] = timer(lambda: forward(fn))
+        result[f"{name}_fwdbwd_ms"] = timer(lambda: forward_backward(fn))
+    nbytes = forward_bytes(rows, slots, heads, dim, table_rows)
+    achieved = nbytes / (result["fused_fwd_ms"] * 1e-3)
+    result.update(
+        forward_min_bytes=nbytes,
+        fused_fwd_bytes_per_s=achieved,
+        fused_fwd_fraction_of_copy=achieved / bandwidth,
+        speedup_fwd_vs_eager=result["eager_fwd_ms"] / result["fused_fwd_ms"],
+        speedup_fwdbwd_vs_eager=result["eager_fwdbwd_ms"] / result["fused_fwdbwd_ms"],
+    )
+    if compile_baseline:
+        result["speedup_fwd_vs_compile"] = result["compile_fwd_ms"] / result["fused_fwd_ms"]
+        result["speedup_fwdbwd_vs_compile"] = result["compile_fwdbwd_ms"] / result["fused_fwdbwd_ms"]
+    return result
+
+
+def git_commit() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                             text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("FASTOPT_GIT_COMMIT", "unknown")
+
+
+def print_table(rows: List[Dict[str, object]], bandwidth: float) -> None:
+    print(f"device copy bandwidth: {bandwidth / 1e9:.0f} GB/s")
+    header = ["M", "d", "fused fwd", "eager fwd", "compile fwd", "fused f+b", "atomic f+b",
+              "eager f+b", "compile f+b", "x eager f+b", "x compile f+b", "fwd % copy BW"]
+    print(" | ".join(f"{h:>12}" for h in header))
+    for r in rows:
+        cells = [r["M"], r["d"], r["fused_fwd_ms"], r["eager_fwd_ms"],
+                 r.get("compile_fwd_ms", float("nan")), r["fused_fwdbwd_ms"],
+                 r["fused_atomic_fwdbwd_ms"], r["eager_fwdbwd_ms"],
+                 r.get("compile_fwdbwd_ms", float("nan")), r["speedup_fwdbwd_vs_eager"],
+                 r.get("speedup_fwdbwd_vs_compile", float("nan")),
+                 100 * r["fused_fwd_fraction_of_copy"]]
+        print(" | ".join(f"{c:>12}" if isinstance(c, int) else f"{c:>12.3f}" for c in cells))
+    print("times in ms (median, CUDA events); x = speedup of fused; f+b = forward+backward")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU (none found); nothing was measured.")
+        return 0
+    import triton
+
+    timer = Timer(args.warmup, args.iters, flush=not args.no_flush)
+    bandwidth = copy_bandwidth(timer)
+    results = [run_shape(timer, m, args.slots, args.heads, d, not args.no_compile, bandwidth)
+               for d in args.dims for m in args.rows]
+    print_table(results, bandwidth)
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(0),
+        "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": sys.version.split()[0],
+        "commit": git_commit(),
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "l2_flushed": not args.no_flush,
+        "results": results,
+    }
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as handle:
+            json.dump(record, handle, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
