@@ -179,7 +179,7 @@ class Trainer:
         model.train()
         model.reset_state()
         if self.sampler is not None:
-            self.sampler.reset()
+            self.sampler.reset(epoch)
         timer = _Timer(self.device)
         split = self.graph.split_range("train")
         starts = range(split.start, split.stop, cfg.batch_size)

@@ -284,6 +284,7 @@ def _from_headerless(table: np.ndarray, name: str, where: str) -> TemporalGraph:
 
 
 def _non_decreasing(col: np.ndarray) -> bool:
+    col = col[np.isfinite(col)]  # a bad timestamp is reported later, not taken for an id column
     return bool(col.size < 2 or (np.diff(col) >= 0).all())
 
 

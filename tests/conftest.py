@@ -1,0 +1,46 @@
+"""Shared fixtures: the real datasets beside the repository and small graphs for fast tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastopt.data import TemporalGraph, load_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_data_dir() -> Path:
+    """``$FASTOPT_SHARED_DATA`` or ``../shared/data`` beside the checkout."""
+    env = os.environ.get("FASTOPT_SHARED_DATA")
+    return Path(env) if env else REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    path = shared_data_dir()
+    if not path.is_dir():
+        pytest.skip(f"real datasets not found at {path} (set FASTOPT_SHARED_DATA)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def wikipedia() -> TemporalGraph:
+    return load_dataset("wikipedia")
+
+
+def head(graph: TemporalGraph, n: int, **features) -> TemporalGraph:
+    """The first ``n`` events of ``graph`` as a graph of their own (same node ids)."""
+    return TemporalGraph(graph.src[:n], graph.dst[:n], graph.ts[:n], graph.num_nodes,
+                         name=f"{graph.name}-head{n}", bipartite=graph.bipartite, **features)
+
+
+@pytest.fixture(scope="session")
+def small_graph(wikipedia) -> TemporalGraph:
+    """3,000 wikipedia events with 8-d random edge and node features."""
+    rng = np.random.default_rng(0)
+    return head(wikipedia, 3000, edge_feat=rng.standard_normal((3000, 8), dtype=np.float32),
+                node_feat=rng.standard_normal((wikipedia.num_nodes, 4), dtype=np.float32))
