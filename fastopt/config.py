@@ -27,6 +27,7 @@ __all__ = [
     "SamplerConfig",
     "CacheConfig",
     "KernelsConfig",
+    "PassesConfig",
     "PipelineConfig",
     "TrainConfig",
     "TunerConfig",
@@ -91,6 +92,12 @@ class KernelsConfig:
 
 
 @dataclass
+class PassesConfig:
+    # fuse attention whose dropout is active (training) into the kernel's own Philox dropout
+    fuse_dropout: bool = True
+
+
+@dataclass
 class PipelineConfig:
     # batches sampled and staged ahead of the one being trained
     prefetch_depth: int = 2
@@ -135,6 +142,7 @@ class Config:
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    passes: PassesConfig = field(default_factory=PassesConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     tuner: TunerConfig = field(default_factory=TunerConfig)

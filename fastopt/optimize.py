@@ -1,0 +1,59 @@
+"""``fastopt.optimize``: the front door. Hand over a PyTorch TGNN, get it back fused."""
+
+from __future__ import annotations
+
+from typing import Union
+
+from torch import nn
+
+from fastopt.config import Config, default_config
+from fastopt.errors import TraceError
+from fastopt.passes import optimize_module
+from fastopt.trainer import _resolve_config
+
+__all__ = ["optimize"]
+
+
+def _changes(cfg: Config) -> dict:
+    """``patch`` keywords turning the process configuration's kernels/passes groups into ``cfg``'s."""
+    base = default_config().to_dict()
+    return {f"{group}__{name}": value
+            for group in ("kernels", "passes")
+            for name, value in cfg.to_dict()[group].items() if base[group][name] != value}
+
+
+def optimize(model: nn.Module, *, config: Union[str, Config, dict, None] = "auto",
+             verify: bool = False) -> nn.Module:
+    """Rewrite ``model``'s attention, aggregation and time-encoding code onto fused operators.
+
+    The model is traced with torch.fx (per submodule where the whole model does not trace) and
+    the pipeline of :mod:`fastopt.passes` replaces each recognized subgraph by a fused operator
+    of :mod:`fastopt.codegen`. What cannot be traced or proved equivalent is left as it was.
+
+    Args:
+        model: An ``nn.Module``; it is not modified.
+        config: ``"auto"`` (the process configuration, :func:`fastopt.default_config`), a
+            :class:`fastopt.Config` or a dict of config groups. Its ``kernels`` group (backend,
+            thread mapping) and ``passes`` group (``fuse_dropout``) apply while the optimized
+            modules run; ``"auto"`` follows the process configuration as it changes.
+        verify: Run the eager and the optimized computation side by side on the first calls of
+            every rewritten module and raise if they disagree.
+
+    Returns:
+        A module sharing ``model``'s parameters, buffers and submodules (same ``state_dict`` keys;
+        an optimizer built on either trains both), with ``.fastopt_report`` (a
+        :class:`fastopt.passes.RewriteReport`; ``print`` it). ``model`` itself when nothing was
+        rewritten (its report attached to it says why).
+
+    Raises:
+        TraceError: A pass failed (naming the pass and the passes before it), or, with
+            ``verify=True``, optimized and eager outputs differ (naming the largest difference).
+        ConfigError: ``config`` is not a valid configuration.
+    """
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"optimize expects a torch.nn.Module (got {type(model).__name__}); "
+                         f"wrap the function in an nn.Module")
+    cfg = _resolve_config(config)
+    optimized, report = optimize_module(model, verify=verify, changes=_changes(cfg))
+    object.__setattr__(optimized, "fastopt_report", report)
+    return optimized

@@ -1,0 +1,110 @@
+"""``fuse_masked_aggregation``: masked sum/mean over the neighbor dimension -> one fused operator.
+
+Pattern::
+
+    s = (x * m.unsqueeze(-1)).sum(1)            # m boolean (or m.float(), m.to(x.dtype))
+    s = x.masked_fill(~m.unsqueeze(-1), 0).sum(1)
+    s = s / m.sum(1, keepdim=True).clamp(min=1)  # optional: the mean (clamp_min(1) as well)
+
+Replacement: :func:`fastopt.passes.lowering.fused_masked_aggregate`
+(``fastopt.codegen.masked_aggregate``); rows without a valid neighbor are zeros in both, which
+is why an unclamped mean (NaN for those rows) is left alone.
+
+Left alone: multipliers that are not provably 0/1 (float weights; the mask must be boolean
+before any cast), counts of another mask, unclamped means.
+
+Order: after the attention passes (an attention's weighted sum is also a ``(a * v).sum``, which
+they consume first).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import List, Optional, Tuple, Union
+
+import torch
+from torch import fx
+
+from fastopt.passes import lowering
+from fastopt.passes.pattern import (Match, RewritePass, arg, bool_provenance, call, literal,
+                                    same_value, single_user, unsqueeze_dim)
+
+__all__ = ["FuseMaskedAggregation"]
+
+_CASTS = ("float", "double", "half", "bfloat16", "to", "type_as")
+
+
+def _mask_source(node) -> Tuple[Optional[fx.Node], bool]:
+    """``(base, inverted)``: the boolean node under casts, unsqueezes and ``~`` of ``node``."""
+    inverted = False
+    while isinstance(node, fx.Node):
+        if call(node, (), _CASTS) or unsqueeze_dim(node) is not None:
+            node = node.args[0]
+        elif call(node, (operator.invert, torch.logical_not), ("logical_not",)):
+            inverted = not inverted
+            node = node.args[0]
+        else:
+            return node, inverted
+    return None, inverted
+
+
+def _count(node, base: fx.Node) -> bool:
+    """Whether ``node`` is ``base.sum(dim, keepdim=True).clamp(min=1)`` (with casts)."""
+    if call(node, (torch.clamp,), ("clamp",)):
+        low = arg(node, 1, "min")
+    elif call(node, (torch.clamp_min,), ("clamp_min",)):
+        low = arg(node, 1, "min")
+    else:
+        return False
+    if not (literal(low) and low == 1):
+        return False
+    total = node.args[0]
+    if not (call(total, (torch.sum,), ("sum",)) and arg(total, 2, "keepdim", False)):
+        return False
+    src, inverted = _mask_source(total.args[0])
+    return src is not None and not inverted and same_value(src, base)
+
+
+class FuseMaskedAggregation(RewritePass):
+    """Masked neighbor sum/mean -> ``fastopt.codegen.masked_aggregate``."""
+
+    name = "fuse_masked_aggregation"
+
+    def anchors(self, gm: fx.GraphModule) -> List[fx.Node]:
+        return [n for n in gm.graph.nodes if call(n, (torch.sum,), ("sum",))
+                and call(n.args[0], (operator.mul, torch.mul, torch.masked_fill), ("masked_fill",))]
+
+    def match(self, gm: fx.GraphModule, red: fx.Node) -> Union[Match, str]:
+        dim = arg(red, 1, "dim")
+        if not isinstance(dim, int) or arg(red, 2, "keepdim", False) or arg(red, 3, "dtype"):
+            return "the sum is not over one dimension without keepdim"
+        inner = red.args[0]
+        if call(inner, (operator.mul, torch.mul)):
+            x, w = inner.args[0], inner.args[1]
+            base, inverted = _mask_source(w)
+            if base is None or inverted or bool_provenance(base) is not True:
+                x, w = w, x
+                base, inverted = _mask_source(w)
+            if base is None or inverted or bool_provenance(base) is not True:
+                return "the multiplier is not provably a 0/1 mask (float weights are not fused)"
+            form = "mul"
+        else:
+            x, w = inner.args[0], inner.args[1]
+            if not (literal(arg(inner, 2, "value")) and arg(inner, 2, "value") == 0):
+                return "masked_fill with a non-zero value before the sum"
+            base, inverted = _mask_source(w)
+            base = base if inverted else None
+            form = "fill"
+        nodes = [red, inner]
+        out, count, reduce = red, None, "sum"
+        div = single_user(red)
+        if call(div, (operator.truediv, torch.div)) and div.args[0] is red and base is not None \
+                and _count(div.args[1], base):
+            out, count, reduce = div, div.args[1], "mean"
+            nodes.append(div)
+        elif call(div, (operator.truediv, torch.div)) and div.args[0] is red:
+            return "a mean whose count is not the clamped count of the same mask (empty rows would be NaN)"
+        return Match(
+            anchor=red, output=out, nodes=nodes, target=lowering.fused_masked_aggregate,
+            args=(x, w, count), kwargs=dict(form=form, dim=dim, reduce=reduce),
+            op="masked_aggregate", pattern=f"masked_{reduce}[{form}]")

@@ -1,0 +1,535 @@
+"""Run-time side of the rewrites: the functions a rewritten graph calls in place of a subgraph.
+
+A pass replaces a matched subgraph by one ``call_function`` node whose target lives here. Every
+such function first checks, on the actual tensors, the conditions a graph pattern cannot see
+(ranks, which dimension holds the neighbors, boolean masks, a query of length one, dropout
+activity); when they hold it calls the fused operator of :mod:`fastopt.codegen`, otherwise it
+runs the original computation op for op. A rewrite therefore never changes what a model
+computes, only how fast.
+
+Attention in any written layout is brought to the operator's layout by naming tensor dimensions
+with letters, as in an einsum: ``q`` and ``k`` share one contracted letter, the scores carry a
+*slot* letter (the neighbor dimension the softmax runs over), and every other letter is a batch
+letter. Batch letters along which the mask varies become destination rows ``M``; the rest become
+heads ``H`` (they share one mask row). The fused operator then sees ``q [M, H, d]``,
+``k/v [M, K, H, d]`` and ``mask [M, K]``.
+
+Rows without a valid neighbor keep the eager semantics of the matched code: zeros when the
+weights are zeroed after the softmax (the operator's own convention), NaN when masked scores are
+``-inf`` and nothing zeroes them, the plain mean of the values when masked scores are a large
+finite negative number (softmax of equal scores is uniform).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import string
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fastopt import codegen
+from fastopt.config import default_config
+
+__all__ = [
+    "AttentionLayout",
+    "attention_layout",
+    "fused_attention",
+    "fused_multihead_attention",
+    "fused_sdpa",
+    "fused_masked_aggregate",
+    "fused_time_encode",
+    "project_rows",
+    "site_shapes",
+]
+
+_LETTERS = string.ascii_lowercase
+
+# Problem sizes (K, H, d) each rewrite site saw on its first call; the report reads them to show
+# the kernel configuration chosen for that shape.
+_SITE_SHAPES: Dict[str, Tuple[int, ...]] = {}
+
+
+def site_shapes(site: str) -> Optional[Tuple[int, ...]]:
+    """``(K, H, d)`` the rewrite ``site`` ran with first, or None before its first fused call."""
+    return _SITE_SHAPES.get(site)
+
+
+def _record(site: str, shape: Tuple[int, ...]) -> None:
+    if site and site not in _SITE_SHAPES:
+        _SITE_SHAPES[site] = shape
+
+
+# ----------------------------------------------------------------------------------------------
+# layouts
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Dimension letters of an attention computation (see the module docstring).
+
+    Attributes:
+        q, k, v: Letters of the query, key and value tensors (keys as passed to the call).
+        scores: Letters of the score tensor.
+        slot: The neighbor letter the softmax normalizes over.
+        contracted: The letter ``q`` and ``k`` are summed over.
+        feature: The value letter that reaches the output.
+        out: Letters of the output.
+    """
+
+    q: str
+    k: str
+    v: str
+    scores: str
+    slot: str
+    contracted: str
+    feature: str
+    out: str
+
+
+def _norm(dim: int, rank: int) -> Optional[int]:
+    d = dim + rank if dim < 0 else dim
+    return d if 0 <= d < rank else None
+
+
+def _parse_einsum(eq: str, operands: int) -> Optional[Tuple[Sequence[str], str]]:
+    eq = eq.replace(" ", "")
+    if "..." in eq or "->" not in eq:
+        return None
+    lhs, out = eq.split("->")
+    ins = lhs.split(",")
+    if len(ins) != operands or not all(s.isalpha() for s in ins + [out]):
+        return None
+    return ins, out
+
+
+def _score_letters(scores: str, q_rank: int, k_rank: int):
+    """``(q, k, scores)`` letters of a score style, or a reason string."""
+    style, _, arg = scores.partition(":")
+    if style == "mul_sum":
+        r = max(q_rank, k_rank)
+        c = _norm(int(arg), r)
+        if c is None:
+            return f"the score sum over dim {arg} is outside a rank-{r} product"
+        letters = _LETTERS[:r]
+        return letters[r - q_rank:], letters[r - k_rank:], letters[:c] + letters[c + 1:]
+    if style == "einsum":
+        parsed = _parse_einsum(arg, 2)
+        if parsed is None:
+            return f"einsum {arg!r} uses ellipsis or is not 'qk,kk->ss' shaped"
+        (qs, ks), ss = parsed
+        if len(qs) != q_rank or len(ks) != k_rank:
+            return f"einsum {arg!r} does not fit ranks {q_rank}, {k_rank}"
+        return qs, ks, ss
+    if style in ("matmul", "matmul_t"):
+        if q_rank < 2 or k_rank < 2:
+            return "matmul with a vector operand"
+        nb = max(q_rank, k_rank) - 2
+        batch = _LETTERS[:nb]
+        a, c, n = _LETTERS[nb:nb + 3]
+        qs = batch[nb - (q_rank - 2):] + a + c
+        kb = batch[nb - (k_rank - 2):]
+        ks = kb + c + n if style == "matmul" else kb + n + c
+        return qs, ks, batch + a + n
+    return f"unknown score style {scores!r}"
+
+
+def _weighted_letters(weighted: str, scores: str, slot: str, v_rank: int, taken: str):
+    """``(v, out, feature)`` letters of a weighted-sum style, or a reason string."""
+    fresh = iter(ch for ch in _LETTERS if ch not in taken)
+    style, _, arg = weighted.partition(":")
+    if style == "mul_sum":
+        unsq, red = (int(x) for x in arg.split(":"))
+        rank = len(scores) + 1
+        u = _norm(unsq, rank)
+        j = _norm(red, rank)
+        if u is None or j is None or v_rank > rank:
+            return "the weighted sum's dimensions do not fit the score rank"
+        e = next(fresh)
+        product = scores[:u] + e + scores[u:]
+        if product[j] != slot:
+            return (f"the softmax normalizes dim {scores.index(slot)} of the scores but the "
+                    f"weighted sum reduces another dimension")
+        return product[rank - v_rank:], product.replace(slot, ""), e
+    if style == "einsum":
+        parsed = _parse_einsum(arg, 2)
+        if parsed is None:
+            return f"einsum {arg!r} uses ellipsis or is not 'aa,vv->oo' shaped"
+        (a_s, v_s), o_s = parsed
+        if len(a_s) != len(scores) or len(v_s) != v_rank or len(set(a_s)) != len(a_s):
+            return f"einsum {arg!r} does not fit the score rank"
+        rename = dict(zip(a_s, scores))
+        for ch in v_s + o_s:
+            if ch not in rename:
+                rename[ch] = next(fresh)
+        v_l = "".join(rename[ch] for ch in v_s)
+        o_l = "".join(rename[ch] for ch in o_s)
+        extra = [ch for ch in v_l if ch not in scores]
+        if len(extra) != 1 or slot in o_l:
+            return f"einsum {arg!r} does not sum the weights over the softmax dimension"
+        return v_l, o_l, extra[0]
+    if style == "matmul":
+        if scores[-1] != slot:
+            return "att @ v contracts the last score dimension, not the softmax dimension"
+        if v_rank < 2 or v_rank - 2 > len(scores) - 2:
+            return "att @ v with a value rank that does not fit"
+        e = next(fresh)
+        vb = scores[:-2]
+        return vb[len(vb) - (v_rank - 2):] + slot + e, scores[:-1] + e, e
+    return f"unknown weighted-sum style {weighted!r}"
+
+
+@functools.lru_cache(maxsize=1024)
+def attention_layout(scores: str, weighted: str, softmax_dim: int, q_rank: int, k_rank: int,
+                     v_rank: int):
+    """The :class:`AttentionLayout` of an attention written in the given styles, or a reason.
+
+    Args:
+        scores: ``"mul_sum:<dim>"`` (``(q * k).sum(dim)``), ``"einsum:<eq>"``, ``"matmul"``
+            (``q @ k`` with ``k`` already ``[..., d, K]``) or ``"matmul_t"`` (``q @ k.mT``).
+        weighted: ``"mul_sum:<unsqueeze dim>:<sum dim>"`` (``(a.unsqueeze(u) * v).sum(j)``),
+            ``"einsum:<eq>"`` or ``"matmul"`` (``a @ v``).
+        softmax_dim: Dimension of the scores the softmax runs over.
+        q_rank, k_rank, v_rank: Ranks of the tensors.
+
+    Returns:
+        An :class:`AttentionLayout`, or a string saying why the styles do not form attention.
+    """
+    got = _score_letters(scores, q_rank, k_rank)
+    if isinstance(got, str):
+        return got
+    qs, ks, ss = got
+    sd = _norm(softmax_dim, len(ss))
+    if sd is None:
+        return f"softmax dim {softmax_dim} is outside the rank-{len(ss)} scores"
+    slot = ss[sd]
+    contracted = [ch for ch in qs if ch in ks and ch not in ss]
+    if len(contracted) != 1 or any(ch not in ss and ch not in contracted for ch in qs + ks):
+        return "the scores do not contract exactly one dimension of q and k"
+    if slot not in ks:
+        return f"the softmax runs over dim {sd} of the scores, which is not a neighbor dimension of k"
+    got = _weighted_letters(weighted, ss, slot, v_rank, ss + contracted[0])
+    if isinstance(got, str):
+        return got
+    vs, outs, feature = got
+    if slot not in vs or sorted(outs) != sorted(ss.replace(slot, "") + feature):
+        return "the weighted sum does not reduce the values over the softmax dimension"
+    return AttentionLayout(qs, ks, vs, ss, slot, contracted[0], feature, outs)
+
+
+# ----------------------------------------------------------------------------------------------
+# canonical attention
+# ----------------------------------------------------------------------------------------------
+
+
+def _arrange(t: Tensor, sub: str, order: Sequence[str], sizes: Dict[str, int]) -> Optional[Tensor]:
+    """``t`` (letters ``sub``) permuted and broadcast to the letters ``order``; None if impossible."""
+    for i in reversed(range(len(sub))):
+        if sub[i] not in order:
+            if t.shape[i] != 1:
+                return None
+            t = t.squeeze(i)
+    kept = [ch for ch in sub if ch in order]
+    missing = [ch for ch in order if ch not in kept]
+    t = t.reshape(tuple(t.shape) + (1,) * len(missing))
+    letters = kept + missing
+    t = t.permute([letters.index(ch) for ch in order])
+    return t.expand([sizes[ch] for ch in order])
+
+
+def _sizes(pairs) -> Optional[Dict[str, int]]:
+    sizes: Dict[str, int] = {}
+    for t, sub in pairs:
+        if t.dim() != len(sub):
+            return None
+        for ch, n in zip(sub, t.shape):
+            cur = sizes.get(ch, 1)
+            if n != 1 and cur != 1 and n != cur:
+                return None
+            sizes[ch] = n if cur == 1 else cur
+    return sizes
+
+
+def _prod(sizes: Dict[str, int], letters: Sequence[str]) -> int:
+    return math.prod(sizes[ch] for ch in letters)
+
+
+def canonical_attention(q: Tensor, k: Tensor, v: Tensor, lay: AttentionLayout, valid: Tensor, *,
+                        scale: float, dropout_p: float, empty: str,
+                        site: str = "") -> Optional[Tensor]:
+    """Run :func:`fastopt.codegen.temporal_attention` on tensors in any layout ``lay``.
+
+    Args:
+        q, k, v: Tensors with the letters of ``lay``.
+        lay: Their layout.
+        valid: Boolean mask broadcastable to the scores (True = neighbor takes part).
+        scale: Score scale.
+        dropout_p: Dropout probability of the attention weights (0 = none).
+        empty: What rows without a valid neighbor produce: ``"zero"``, ``"nan"`` or ``"mean"``.
+        site: Rewrite site, for the report.
+
+    Returns:
+        The output with the letters ``lay.out``, or None when the tensors do not fit the
+        operator (the caller then runs the original computation).
+    """
+    if valid.dtype != torch.bool or valid.dim() > len(lay.scores):
+        return None
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        return None
+    v_sub = lay.scores[len(lay.scores) - valid.dim():]
+    sizes = _sizes(((q, lay.q), (k, lay.k), (v, lay.v), (valid, v_sub)))
+    if sizes is None or sizes[lay.contracted] != sizes[lay.feature]:
+        return None
+    if lay.slot in lay.q and q.shape[lay.q.index(lay.slot)] != 1:
+        return None
+    batch = [ch for ch in lay.scores if ch != lay.slot]
+    heads = [ch for ch in batch if sizes[ch] > 1
+             and (ch not in v_sub or valid.shape[v_sub.index(ch)] == 1)]
+    rows = [ch for ch in batch if ch not in heads]
+    r, h, kk, d = _prod(sizes, rows), _prod(sizes, heads), sizes[lay.slot], sizes[lay.contracted]
+    if r * kk == 0:
+        return None
+    qc = _arrange(q, lay.q, rows + heads + [lay.contracted], sizes)
+    kc = _arrange(k, lay.k, rows + [lay.slot] + heads + [lay.contracted], sizes)
+    vc = _arrange(v, lay.v, rows + [lay.slot] + heads + [lay.feature], sizes)
+    mc = _arrange(valid, v_sub, rows + [lay.slot], sizes)
+    if qc is None or kc is None or vc is None or mc is None:
+        return None
+    qc, kc, vc = qc.reshape(r, h, d), kc.reshape(r, kk, h, d), vc.reshape(r, kk, h, d)
+    mc = mc.reshape(r, kk)
+    _record(site, (kk, h, d))
+    seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
+    out = codegen.temporal_attention(qc, kc, vc, mc, scale=scale, dropout_p=dropout_p, seed=seed)
+    if empty != "zero":
+        none = ~mc.any(1)[:, None, None]
+        fill = vc.mean(1) if empty == "mean" else torch.full_like(out, float("nan"))
+        out = torch.where(none, fill, out)
+    letters = rows + heads + [lay.feature]
+    out = out.reshape([sizes[ch] for ch in letters])
+    return out.permute([letters.index(ch) for ch in lay.out]).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# explicit attention (passes/attention.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def _dropout_probability(dropout, functional_p: float) -> float:
+    """Active dropout probability: a module's ``p`` in training mode, or a traced functional p."""
+    if dropout is not None:
+        return float(dropout.p) if dropout.training else 0.0
+    return float(functional_p)
+
+
+def _scores(q: Tensor, k: Tensor, style: str) -> Tensor:
+    kind, _, arg = style.partition(":")
+    if kind == "mul_sum":
+        return (q * k).sum(int(arg))
+    if kind == "einsum":
+        return torch.einsum(arg, q, k)
+    return q @ (k.transpose(-2, -1) if kind == "matmul_t" else k)
+
+
+def _weighted(a: Tensor, v: Tensor, style: str) -> Tensor:
+    kind, _, arg = style.partition(":")
+    if kind == "mul_sum":
+        unsq, red = (int(x) for x in arg.split(":"))
+        return (a.unsqueeze(unsq) * v).sum(red)
+    if kind == "einsum":
+        return torch.einsum(arg, a, v)
+    return a @ v
+
+
+def fused_attention(q: Tensor, k: Tensor, v: Tensor, fill_mask: Tensor, dropout=None, *,
+                    scores: str, weighted: str, softmax_dim: int, scale_ops=(), fill: float,
+                    zeroed: bool, dropout_p: float = 0.0, site: str = "") -> Tensor:
+    """Explicit masked attention: scores, scale, ``masked_fill``, softmax, weighted sum.
+
+    Computes what this code computes, fused when the tensors fit::
+
+        s = scores(q, k)                                  # style `scores`
+        s = s * c  (or s / c) for each (op, c) in scale_ops
+        a = softmax(s.masked_fill(fill_mask, fill), softmax_dim)
+        a = a.masked_fill(fill_mask, 0.0) if zeroed       # zero weights of masked slots
+        a = dropout(a)                                    # module, or functional p
+        out = weighted(a, v)                              # style `weighted`
+
+    Dropout in training runs inside the kernel (Philox stream, seeded from torch's default CPU
+    generator): equal in distribution to eager dropout, not draw for draw. With
+    ``config.passes.fuse_dropout`` off, attention with active dropout runs the code above.
+    """
+    p = _dropout_probability(dropout, dropout_p)
+    fuse = p == 0.0 or (zeroed and default_config().passes.fuse_dropout)
+    lay = attention_layout(scores, weighted, softmax_dim, q.dim(), k.dim(), v.dim())
+    if fuse and isinstance(lay, AttentionLayout):
+        scale = 1.0
+        for op, c in scale_ops:
+            scale = scale * c if op == "mul" else scale / c
+        empty = "zero" if zeroed else ("nan" if fill == float("-inf") else "mean")
+        out = canonical_attention(q, k, v, lay, ~fill_mask, scale=scale, dropout_p=p, empty=empty,
+                                  site=site)
+        if out is not None:
+            return out
+    s = _scores(q, k, scores)
+    for op, c in scale_ops:
+        s = s * c if op == "mul" else s / c
+    a = torch.softmax(s.masked_fill(fill_mask, fill), softmax_dim)
+    if zeroed:
+        a = a.masked_fill(fill_mask, 0.0)
+    if dropout is not None:
+        a = dropout(a)
+    elif dropout_p > 0.0:
+        a = F.dropout(a, dropout_p, training=True)
+    return _weighted(a, v, weighted)
+
+
+# ----------------------------------------------------------------------------------------------
+# F.scaled_dot_product_attention (passes/attention_sdpa.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def fused_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, *, dropout_p: float = 0.0,
+               scale: Optional[float] = None, site: str = "") -> Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, attn_mask)`` with a boolean mask, fused.
+
+    A row whose mask is all False yields zeros, as eager SDPA does in torch >= 2.5.
+    """
+    lay = attention_layout("matmul_t", "matmul", -1, q.dim(), k.dim(), v.dim())
+    fuse = dropout_p == 0.0 or default_config().passes.fuse_dropout
+    if fuse and isinstance(lay, AttentionLayout) and attn_mask.dtype == torch.bool:
+        sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        out = canonical_attention(q, k, v, lay, attn_mask, scale=sc, dropout_p=dropout_p,
+                                  empty="zero", site=site)
+        if out is not None:
+            return out
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          scale=scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# nn.MultiheadAttention (passes/attention_mha.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def _mha_fits(mha: torch.nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor,
+              key_padding_mask: Optional[Tensor]) -> bool:
+    if key_padding_mask is None or key_padding_mask.dtype != torch.bool:
+        return False
+    if mha.bias_k is not None or mha.add_zero_attn or query.dim() != 3 or key.dim() != 3:
+        return False
+    if key.shape[:2] != value.shape[:2]:
+        return False
+    return (query.shape[1] if mha.batch_first else query.shape[0]) == 1
+
+
+def _mha_projections(mha: torch.nn.MultiheadAttention):
+    e = mha.embed_dim
+    if mha._qkv_same_embed_dim:
+        wq, wk, wv = mha.in_proj_weight.split(e)
+    else:
+        wq, wk, wv = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
+    bias = mha.in_proj_bias
+    bq, bk, bv = bias.split(e) if bias is not None else (None, None, None)
+    return (wq, bq), (wk, bk), (wv, bv)
+
+
+def fused_multihead_attention(mha: torch.nn.MultiheadAttention, query: Tensor, key: Tensor,
+                              value: Tensor, key_padding_mask: Optional[Tensor] = None, *,
+                              need_weights: bool = True, site: str = ""):
+    """``mha(query, key, value, key_padding_mask=...)`` for a query of length one, fused.
+
+    Returns ``(output, None)`` like ``nn.MultiheadAttention`` with ``need_weights=False``; the
+    rewrite only happens where the weights are unused. Rows whose keys are all padding yield
+    ``out_proj(0)``, as eager attention does in torch >= 2.5.
+    """
+    p = mha.dropout if mha.training else 0.0
+    fuse = p == 0.0 or default_config().passes.fuse_dropout
+    if fuse and _mha_fits(mha, query, key, value, key_padding_mask):
+        if not mha.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        (wq, bq), (wk, bk), (wv, bv) = _mha_projections(mha)
+        m, kk = key.shape[:2]
+        h = mha.num_heads
+        d = mha.embed_dim // h
+        q = F.linear(query[:, 0], wq, bq).view(m, h, d)
+        k = F.linear(key, wk, bk).view(m, kk, h, d)
+        v = F.linear(value, wv, bv).view(m, kk, h, d)
+        _record(site, (kk, h, d))
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if p > 0 else 0
+        out = codegen.temporal_attention(q, k, v, ~key_padding_mask, scale=d ** -0.5,
+                                         dropout_p=p, seed=seed)
+        out = F.linear(out.reshape(m, mha.embed_dim), mha.out_proj.weight, mha.out_proj.bias)
+        return out.unsqueeze(1 if mha.batch_first else 0), None
+    return mha(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights)
+
+
+# ----------------------------------------------------------------------------------------------
+# masked aggregation (passes/aggregate.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def fused_masked_aggregate(x: Tensor, weight: Tensor, count: Optional[Tensor] = None, *,
+                           form: str, dim: int, reduce: str, site: str = "") -> Tensor:
+    """Masked sum or mean of neighbor rows over ``dim``, fused.
+
+    Computes, with ``form="mul"``: ``s = (x * weight).sum(dim)``; with ``form="fill"``:
+    ``s = x.masked_fill(weight, 0).sum(dim)``; then for ``reduce="mean"``: ``s / count``, where
+    ``count`` is the clamped number of valid slots. ``weight`` of form ``"mul"`` must hold 0/1
+    values of a boolean mask (checked on its dtype by the pass); ``weight`` of form ``"fill"`` is
+    True on the slots to drop.
+    """
+    d = _norm(dim, x.dim())
+    fits = d is not None and d >= 1 and x.dim() >= 2 and weight.dim() <= x.dim()
+    if fits:
+        w = weight.reshape((1,) * (x.dim() - weight.dim()) + tuple(weight.shape))
+        fits = all(n == 1 for n in w.shape[d + 1:]) and x.is_floating_point()
+    if fits:
+        lead = tuple(x.shape[:d + 1])
+        valid = (w != 0) if form == "mul" else ~w
+        valid = valid.reshape(w.shape[:d + 1]).expand(lead)
+        rows = math.prod(lead[:-1])
+        if rows > 0 and lead[-1] > 0:
+            xs = x.reshape(rows, lead[-1], *x.shape[d + 1:])
+            out = codegen.masked_aggregate(xs, valid.reshape(rows, lead[-1]), reduce=reduce)
+            _record(site, (lead[-1],) + tuple(x.shape[d + 1:]))
+            return out.reshape(lead[:-1] + tuple(x.shape[d + 1:]))
+    s = (x * weight).sum(dim) if form == "mul" else x.masked_fill(weight, 0).sum(dim)
+    return s if count is None else s / count
+
+
+# ----------------------------------------------------------------------------------------------
+# time encoding (passes/time_encoding.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def fused_time_encode(dt: Tensor, linear: torch.nn.Linear, *, site: str = "") -> Tensor:
+    """``torch.cos(linear(dt.unsqueeze(-1)))`` for a ``Linear(1, T)``, fused."""
+    w = linear.weight
+    if dt.dtype == w.dtype and w.shape[1] == 1 and dt.is_floating_point():
+        b = linear.bias if linear.bias is not None else w.new_zeros(w.shape[0])
+        _record(site, (w.shape[0],))
+        return codegen.time_encode(dt, w[:, 0], b)
+    return torch.cos(linear(dt.unsqueeze(-1)))
+
+
+# ----------------------------------------------------------------------------------------------
+# projection before gather (passes/project_before_gather.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def project_rows(linear: torch.nn.Module, table: Tensor, index: Tensor, *, site: str = "") -> Tensor:
+    """``linear(table[index])``, computed as ``linear(table)[index]`` when the table is smaller.
+
+    A row-wise projection commutes with a row gather; projecting the unique table rows once is
+    cheaper whenever the table has fewer rows than the index selects.
+    """
+    if table.dim() >= 1 and index.dtype in (torch.int32, torch.int64) and \
+            table.shape[0] < index.numel():
+        _record(site, (table.shape[0], index.numel()))
+        return linear(table)[index]
+    return linear(table[index])

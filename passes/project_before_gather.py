@@ -1,0 +1,59 @@
+"""``project_before_gather``: ``Linear(table[index])`` -> ``Linear(table)[index]`` on small tables.
+
+Pattern::
+
+    y = self.proj(table[index])                       # or table.index_select(0, index)
+
+SlimCache hands a model tables of the batch's unique rows plus an index; projecting every
+sampled neighbor's copy repeats the work per duplicate. A row-wise Linear commutes with a row
+gather, so the replacement (:func:`fastopt.passes.lowering.project_rows`) projects the table once
+and gathers the projected rows whenever the table has fewer rows than the index selects (checked
+per call, so both directions keep the same result).
+
+Left alone: gathers along another dimension, non-Linear consumers.
+
+Order: last; it does not interact with the attention patterns (their keys are projections of
+dense neighbor tensors in the reference models).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import List, Optional
+
+import torch
+from torch import fx, nn
+
+from fastopt.passes import lowering
+from fastopt.passes.pattern import Match, RewritePass, arg, call, module_of
+
+__all__ = ["ProjectBeforeGather"]
+
+
+def _gather(node):
+    """``(table, index)`` if ``node`` gathers rows of a table by a tensor index, else None."""
+    if call(node, (operator.getitem,)) and isinstance(node.args[1], fx.Node):
+        return node.args[0], node.args[1]
+    if call(node, (torch.index_select,), ("index_select",)) and arg(node, 1, "dim") == 0:
+        return node.args[0], arg(node, 2, "index")
+    return None
+
+
+class ProjectBeforeGather(RewritePass):
+    """Project a gathered table before gathering it."""
+
+    name = "project_before_gather"
+
+    def anchors(self, gm: fx.GraphModule) -> List[fx.Node]:
+        return [n for n in gm.graph.nodes if module_of(gm, n, (nn.Linear,)) is not None]
+
+    def match(self, gm: fx.GraphModule, node: fx.Node) -> Optional[Match]:
+        got = _gather(node.args[0])
+        if got is None or len(node.args) != 1 or node.kwargs:
+            return None
+        table, index = got
+        return Match(
+            anchor=node, output=node, nodes=[node, node.args[0]], target=lowering.project_rows,
+            args=(("module", node.target), table, index), kwargs={},
+            op="project_rows", pattern="Linear(table[index])")
+

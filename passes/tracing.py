@@ -1,0 +1,79 @@
+"""Tracing a user's module with torch.fx, without side effects on it.
+
+``FastOptTracer`` keeps ``torch.nn`` built-ins (``Linear``, ``MultiheadAttention``, ``Dropout``,
+``LayerNorm``, RNN cells, ...) as leaf calls, so patterns see ``nn.MultiheadAttention`` as one node
+and parameters stay owned by their modules; user-defined modules are traced through.
+
+Tracing runs ``forward`` on proxies: code that stores results on ``self`` (memory updates, caches
+of the last batch) would leave proxies in the user's model. :func:`trace` snapshots every
+submodule's attributes and restores them afterwards, whatever happens.
+
+``self.training`` is read as a Python bool while tracing, so code such as
+``F.dropout(x, p, training=self.training)`` is traced once per mode; the optimized module runs the
+graph of its current mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterator
+
+import torch
+from torch import fx, nn
+
+from fastopt.errors import TraceError
+
+__all__ = ["FastOptTracer", "trace", "is_builtin_leaf"]
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def is_builtin_leaf(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``torch.nn`` built-in (not a container): kept as one call when traced."""
+    return type(module).__module__.startswith("torch.nn") and not isinstance(module, _CONTAINERS)
+
+
+class FastOptTracer(fx.Tracer):
+    """``torch.fx`` tracer whose leaves are the ``torch.nn`` built-ins."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return is_builtin_leaf(m)
+
+
+@contextlib.contextmanager
+def _preserved(module: nn.Module) -> Iterator[None]:
+    """Restore every submodule's attribute dict (and its training flag) on exit."""
+    saved: Dict[nn.Module, dict] = {m: dict(m.__dict__) for m in module.modules()}
+    inner = {m: (dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in saved}
+    try:
+        yield
+    finally:
+        for m, attrs in saved.items():
+            m.__dict__.clear()
+            m.__dict__.update(attrs)
+            params, buffers, modules = inner[m]
+            for store, old in ((m._parameters, params), (m._buffers, buffers), (m._modules, modules)):
+                store.clear()
+                store.update(old)
+
+
+def trace(module: nn.Module, training: bool) -> fx.GraphModule:
+    """Trace ``module`` as it runs in training (``True``) or eval mode.
+
+    Returns:
+        A ``GraphModule`` whose attributes are ``module``'s own submodules and parameters.
+
+    Raises:
+        TraceError: naming the module's class and the tracer's complaint.
+    """
+    with _preserved(module):
+        module.train(training)
+        try:
+            graph = FastOptTracer().trace(module)
+        except Exception as exc:  # fx raises anything the traced code raises on proxies
+            raise TraceError(
+                f"{type(module).__name__} cannot be traced by torch.fx: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from exc
+        gm = fx.GraphModule(module, graph, class_name=type(module).__name__)
+    return gm
