@@ -20,51 +20,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from fastopt.errors import SamplerError
 from fastopt.runtime.blocks import SampledBatch, TemporalBlock, Unique
+from fastopt.runtime.validate import STRATEGIES, check_fanouts, check_roots
 
 __all__ = ["NumpySampler", "check_roots", "check_fanouts"]
-
-STRATEGIES = ("recent", "uniform")
-
-
-def check_fanouts(fanouts: Sequence[int], strategy: str) -> list:
-    """Validate the sampler's layer widths and strategy (shared by every sampler)."""
-    fanouts = list(fanouts)
-    for k in fanouts:
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
-            raise SamplerError(f"fanout {k!r} must be a positive integer; use e.g. fanouts=[10]")
-    if strategy not in STRATEGIES:
-        raise SamplerError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
-    return fanouts
-
-
-def check_roots(roots, times, num_nodes: int):
-    """Convert roots/times to int64/float64 NumPy arrays, raising on out-of-range or NaN input."""
-    roots = roots.cpu().numpy() if isinstance(roots, torch.Tensor) else np.asarray(roots)
-    times = times.cpu().numpy() if isinstance(times, torch.Tensor) else np.asarray(times)
-    if roots.ndim != 1 or times.ndim != 1 or roots.shape != times.shape:
-        raise SamplerError(f"roots and times must be 1-d and of one length (got shapes {roots.shape} "
-                           f"and {times.shape}); pass one time per root")
-    if roots.dtype.kind not in "iu":
-        if roots.dtype.kind == "f" and roots.size and (roots == np.floor(roots)).all():
-            pass  # integral floats convert without loss
-        elif roots.size:
-            raise SamplerError(f"roots must be integer node ids (got dtype {roots.dtype}); pass an "
-                               f"int64 array")
-    roots = roots.astype(np.int64, copy=False)
-    if roots.size and (roots.min() < 0 or roots.max() >= num_nodes):
-        bad = roots.min() if roots.min() < 0 else roots.max()
-        raise SamplerError(f"root id {bad} is outside [0, num_nodes={num_nodes}); pass node ids of "
-                           f"the sampled graph")
-    if times.dtype.kind not in "iuf":
-        raise SamplerError(f"times must be numeric (got dtype {times.dtype})")
-    times = times.astype(np.float64, copy=False)
-    if times.size and not np.isfinite(times).all():
-        bad = times[~np.isfinite(times)][0]
-        raise SamplerError(f"root time {bad} is not finite; pass finite timestamps")
-    return roots, times
-
 
 class NumpySampler:
     """Reference temporal sampler over a :class:`~fastopt.data.TemporalGraph`.
@@ -83,7 +42,9 @@ class NumpySampler:
         self.fanouts = check_fanouts(fanouts, strategy)
         self.strategy = strategy
         self.num_nodes = int(graph.num_nodes)
-        self._rng = np.random.default_rng(seed)
+        self.seed = int(seed)
+        self._epoch = 0
+        self._calls = 0
         n = graph.num_events if limit is None else int(limit)
         src, dst, ts = graph.src[:n], graph.dst[:n], graph.ts[:n]
         eid = np.arange(n, dtype=np.int64)
@@ -102,12 +63,16 @@ class NumpySampler:
         self._radix = np.int64(self._utimes.size + 1)
         self._keys = self.node * self._radix + np.searchsorted(self._utimes, self.ets)
 
-    def reset(self) -> None:
-        """Start a new epoch (the reference sampler keeps no per-epoch state)."""
+    def reset(self, epoch: int | None = None) -> None:
+        """Start an epoch (default: the next one); uniform draws are keyed by (seed, epoch, call)."""
+        self._epoch = self._epoch + 1 if epoch is None else int(epoch)
+        self._calls = 0
 
     def sample(self, roots, times) -> SampledBatch:
         """Sample every layer for ``roots`` at ``times``."""
         roots, times = check_roots(roots, times, self.num_nodes)
+        self._rng = np.random.default_rng([self.seed, self._epoch, self._calls])
+        self._calls += 1
         blocks = []
         dst, dst_t, valid = roots, times, np.ones(roots.shape[0], dtype=bool)
         for k in self.fanouts:

@@ -5,8 +5,9 @@ Layering: this package imports nothing of fastopt but :mod:`fastopt.config` and
 """
 
 from fastopt.runtime.blocks import SampledBatch, TemporalBlock, Unique
+from fastopt.runtime.sampler import OPENMP, TemporalSampler
 from fastopt.runtime.cache_policy import BeladyResult, belady_optimum
 from fastopt.runtime.slimcache import CacheCounters, CacheTable, PendingRows, SlimCache, UniqueRows
 
 __all__ = ["SampledBatch", "TemporalBlock", "Unique", "SlimCache", "CacheTable", "UniqueRows",
-           "PendingRows", "CacheCounters", "BeladyResult", "belady_optimum"]
+           "PendingRows", "CacheCounters", "BeladyResult", "belady_optimum", "TemporalSampler", "OPENMP"]

@@ -1,0 +1,728 @@
+# cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""The fast temporal neighbor sampler: T-CSR, per-node time pointers, OpenMP threads.
+
+Semantics are those of the NumPy oracle (:class:`fastopt.sampling.NumpySampler`): candidates of a
+root ``(v, t)`` are the events touching ``v`` strictly before ``t``; ``"recent"`` takes the ``k``
+latest, newest first, ties broken by the later edge id; ``"uniform"`` takes every candidate when
+there are at most ``k``, else ``k`` draws with replacement; layer ``l + 1`` samples around layer
+``l``'s neighbors, each at its own edge's time.
+
+How it is fast:
+
+* T-CSR: one array of ``(neighbor, edge id, time)`` entries per node, in time order, built in
+  one counting pass over the (time-sorted) events, so a node's candidates are a prefix of its row.
+* The root layer keeps a pointer per node that only moves forward: chronological batches find
+  their prefix by stepping it a few entries; a root whose time went backwards (negatives, the
+  destination half of a batch) binary-searches the part before the pointer. Deeper layers
+  binary-search. Threads race on a pointer only benignly: every value it can hold is correct.
+* ``prange`` over rows with the static schedule; each row writes its own slots of the padded
+  outputs, so the only merge is the prefix sum of the row counts into ``indptr``.
+* Uniform draws come from a counter-based generator (splitmix64) keyed by (seed, epoch, batch,
+  layer, row, slot): 1 and 8 threads give bit-identical batches.
+* Within-batch dedup with a two-level bitmap and popcount ranks: sorted unique ids and inverse
+  indices in O(entries + id range / 4096), no sort, the independent dedups run in parallel.
+* Outputs are torch tensors allocated once per call and filled in place (no copies).
+"""
+
+import os
+import threading
+
+import numpy as np
+import torch
+
+from cython.parallel cimport prange, threadid
+from libc.stdint cimport int64_t, uint64_t, uint8_t, uintptr_t
+from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memcpy, memset
+
+from fastopt.config import default_config
+from fastopt.errors import SamplerError
+from fastopt.runtime.blocks import SampledBatch, TemporalBlock, Unique
+from fastopt.runtime.reorder import node_rows
+from fastopt.runtime.topology import plan_placement, read_topology, static_chunks
+from fastopt.runtime.validate import check_fanouts, check_roots, check_threads
+
+__all__ = ["TemporalSampler", "OPENMP"]
+
+OPENMP = HAVE_OPENMP  # whether this build runs its loops on OpenMP threads
+
+cdef extern from *:
+    """
+    #if defined(__linux__)
+    #include <sched.h>
+    static __thread int fo_pinned_cpu = -1;
+    /* Pin the calling thread to one CPU; a thread already pinned there makes no system call. */
+    static int fo_pin_self(int cpu) {
+        cpu_set_t set;
+        if (fo_pinned_cpu == cpu) return 0;
+        CPU_ZERO(&set);
+        CPU_SET(cpu, &set);
+        if (sched_setaffinity(0, sizeof(set), &set) != 0) return -1;
+        fo_pinned_cpu = cpu;
+        return 0;
+    }
+    #else
+    static int fo_pin_self(int cpu) { (void)cpu; return -1; }
+    #endif
+    /* popcnt only where the target has it: elsewhere GCC calls a slow libgcc routine */
+    static inline int fo_popcount(unsigned long long x) {
+    #if defined(__POPCNT__) || defined(__aarch64__)
+        return __builtin_popcountll(x);
+    #else
+        x = x - ((x >> 1) & 0x5555555555555555ULL);
+        x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
+        x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
+        return (int)((x * 0x0101010101010101ULL) >> 56);
+    #endif
+    }
+    #define fo_ctz(x) __builtin_ctzll(x)
+    """
+    int fo_pin_self(int cpu) noexcept nogil
+    int fo_popcount(uint64_t x) noexcept nogil
+    int fo_ctz(uint64_t x) noexcept nogil
+
+
+cdef struct Entry:
+    # one T-CSR entry: the neighbor, the edge id, its time, and the index of the same event's
+    # entry in the neighbor's row (-1 when directed): where the next layer's candidates end
+    int64_t nbr
+    int64_t eid
+    double ts
+    int64_t twin
+
+
+cdef struct Bitset:
+    # two-level bitmap over an id range, with a rank base per level-0 word
+    uint64_t* bits0
+    uint64_t* bits1
+    int64_t* base
+    int64_t words1
+
+
+cdef struct Seg:
+    # one id array taking part in a dedup task, and where its inverse goes
+    const int64_t* ids
+    int64_t* inv
+    int64_t n
+
+
+cdef struct Task:
+    # one unique+inverse computation over segments [first, first + nseg)
+    int64_t first
+    int64_t nseg
+    int64_t offset
+    int64_t count
+    int64_t* values
+    Bitset* bits
+
+
+cdef struct Layer:
+    # everything one layer's rows read and write
+    const Entry* edges
+    const int64_t* indptr
+    int64_t* ptr  # per-row time pointer (root layer only, else NULL)
+    const int64_t* rows  # node -> T-CSR row (NULL: identity)
+    const int64_t* dst
+    const double* dst_t
+    const uint8_t* valid  # previous layer's mask (NULL for the root layer)
+    const int64_t* hint  # twin entry of each row's own edge (NULL for the root layer)
+    int64_t* next_hint  # where this layer's twins go for the next layer (NULL for the last)
+    int64_t num_nodes
+    int64_t m
+    int64_t k
+    bint uniform
+    uint64_t key
+    int64_t* nbr
+    int64_t* eid
+    double* nts
+    float* dt
+    uint8_t* mask
+    int64_t* out_indptr
+
+
+cdef inline uint64_t _mix(uint64_t z) noexcept nogil:
+    """splitmix64's finalizer: a bijective 64-bit hash."""
+    z = (z ^ (z >> 30)) * <uint64_t>0xBF58476D1CE4E5B9ULL
+    z = (z ^ (z >> 27)) * <uint64_t>0x94D049BB133111EBULL
+    return z ^ (z >> 31)
+
+
+cdef inline int64_t _lower(const Entry* e, int64_t lo, int64_t hi, double t) noexcept nogil:
+    """First index in ``[lo, hi)`` whose time is ``>= t`` (``hi`` if none)."""
+    cdef int64_t mid
+    while lo < hi:
+        mid = lo + ((hi - lo) >> 1)
+        if e[mid].ts < t:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+cdef inline int64_t _advance(const Entry* e, int64_t p, int64_t hi, double t) noexcept nogil:
+    """Like :func:`_lower` on ``[p, hi)``, stepping first: chronological roots move a few entries."""
+    cdef int64_t steps = 0
+    while p < hi and e[p].ts < t:
+        p += 1
+        steps += 1
+        if steps == 8:
+            return _lower(e, p, hi, t)
+    return p
+
+
+cdef inline int64_t _retreat(const Entry* e, int64_t lo, int64_t p, double t) noexcept nogil:
+    """Like :func:`_lower` on ``[lo, p)`` for a ``p`` whose entry has time ``>= t``: step back
+    over the few entries tied with it, then binary-search."""
+    cdef int64_t steps = 0
+    while p > lo and e[p - 1].ts >= t:
+        p -= 1
+        steps += 1
+        if steps == 8:
+            return _lower(e, lo, p, t)
+    return p
+
+
+cdef inline int _sample_row(const Layer* c, int64_t i) noexcept nogil:
+    """Fill row ``i`` of layer ``c``; return 1 when its root is out of range or not finite."""
+    cdef int64_t k = c.k, o = i * c.k, v = c.dst[i], n = 0, j, start, stop, end, p, avail, row, pos
+    cdef double t = c.dst_t[i]
+    cdef uint64_t x
+    cdef const Entry* e
+    cdef bint live = 1
+    if c.valid == NULL:
+        if v < 0 or v >= c.num_nodes or not (t - t == 0.0):
+            live = 0
+    else:
+        live = c.valid[i]
+    if live:
+        row = v if c.rows == NULL else c.rows[v]
+        start = c.indptr[row]
+        stop = c.indptr[row + 1]
+        if c.hint != NULL and c.hint[i] >= 0:
+            end = _retreat(c.edges, start, c.hint[i], t)
+        elif c.ptr != NULL:
+            p = c.ptr[row]
+            if p > start and c.edges[p - 1].ts >= t:
+                end = _lower(c.edges, start, p, t)
+            else:
+                end = _advance(c.edges, p, stop, t)
+                if end > p:
+                    c.ptr[row] = end
+        else:
+            end = _lower(c.edges, start, stop, t)
+        avail = end - start
+        n = avail if avail < k else k
+        x = _mix(c.key ^ (<uint64_t>i * <uint64_t>0xD1B54A32D192ED03ULL))
+        for j in range(n):
+            if not c.uniform:
+                e = &c.edges[end - 1 - j]
+            elif avail <= k:
+                e = &c.edges[start + j]
+            else:
+                pos = <int64_t>((_mix(x + <uint64_t>(j + 1) * <uint64_t>0x9E3779B97F4A7C15ULL) >> 11)
+                                * (1.0 / 9007199254740992.0) * avail)
+                e = &c.edges[start + (pos if pos < avail else avail - 1)]
+            c.nbr[o + j] = e.nbr
+            c.eid[o + j] = e.eid
+            c.nts[o + j] = e.ts
+            c.dt[o + j] = <float>(t - e.ts)
+            c.mask[o + j] = 1
+            if c.next_hint != NULL:
+                c.next_hint[o + j] = e.twin
+    for j in range(n, k):
+        c.nbr[o + j] = 0
+        c.eid[o + j] = -1
+        c.nts[o + j] = 0.0
+        c.dt[o + j] = 0.0
+        c.mask[o + j] = 0
+    c.out_indptr[i + 1] = n
+    return 0 if live or c.valid != NULL else 1
+
+
+cdef inline int64_t _append(Entry* edges, int64_t* cursor, int64_t row, int64_t nbr, int64_t eid,
+                            double ts) noexcept nogil:
+    """Append an entry to T-CSR row ``row``; return its index."""
+    cdef int64_t at = cursor[row]
+    cursor[row] += 1
+    edges[at].nbr = nbr
+    edges[at].eid = eid
+    edges[at].ts = ts
+    edges[at].twin = -1
+    return at
+
+
+cdef void _bitset_init(Bitset* b, int64_t id_range) noexcept nogil:
+    cdef int64_t words0 = (id_range + 63) // 64 + 1
+    b.words1 = (words0 + 63) // 64
+    b.bits0 = <uint64_t*>calloc(words0, sizeof(uint64_t))
+    b.bits1 = <uint64_t*>calloc(b.words1, sizeof(uint64_t))
+    b.base = <int64_t*>malloc(words0 * sizeof(int64_t))
+
+
+cdef void _bitset_free(Bitset* b) noexcept nogil:
+    free(b.bits0)
+    free(b.bits1)
+    free(b.base)
+
+
+cdef void _mark(Task* t, const Seg* segs) noexcept nogil:
+    """Set the bit of every id of the task's segments (no branches); count the distinct ids."""
+    cdef uint64_t* bits0 = t.bits.bits0
+    cdef uint64_t* bits1 = t.bits.bits1
+    cdef int64_t s, i, x, w, w1, count = 0
+    cdef uint64_t m1
+    cdef const int64_t* ids
+    for s in range(t.first, t.first + t.nseg):
+        ids = segs[s].ids
+        for i in range(segs[s].n):
+            x = ids[i] + t.offset
+            w = x >> 6
+            bits0[w] |= (<uint64_t>1) << (x & 63)
+            bits1[w >> 6] |= (<uint64_t>1) << (w & 63)
+    for w1 in range(t.bits.words1):
+        m1 = bits1[w1]
+        while m1:
+            count += fo_popcount(bits0[(w1 << 6) | fo_ctz(m1)])
+            m1 &= m1 - 1
+    t.count = count
+
+
+cdef void _rank(Task* t, const Seg* segs) noexcept nogil:
+    """Write the sorted unique ids and each entry's rank among them; clear the bitmap."""
+    cdef uint64_t* bits0 = t.bits.bits0
+    cdef uint64_t* bits1 = t.bits.bits1
+    cdef int64_t* base = t.bits.base
+    cdef int64_t s, i, x, w, w1, u = 0
+    cdef uint64_t m1, m0
+    cdef const int64_t* ids
+    cdef int64_t* inv
+    for w1 in range(t.bits.words1):
+        m1 = bits1[w1]
+        while m1:
+            w = (w1 << 6) | fo_ctz(m1)
+            m1 &= m1 - 1
+            base[w] = u
+            m0 = bits0[w]
+            while m0:
+                t.values[u] = ((w << 6) | fo_ctz(m0)) - t.offset
+                u += 1
+                m0 &= m0 - 1
+    for s in range(t.first, t.first + t.nseg):
+        ids = segs[s].ids
+        inv = segs[s].inv
+        for i in range(segs[s].n):
+            x = ids[i] + t.offset
+            w = x >> 6
+            inv[i] = base[w] + fo_popcount(bits0[w] & (((<uint64_t>1) << (x & 63)) - 1))
+    for w1 in range(t.bits.words1):
+        m1 = bits1[w1]
+        while m1:
+            bits0[(w1 << 6) | fo_ctz(m1)] = 0
+            m1 &= m1 - 1
+        bits1[w1] = 0
+
+
+cdef inline void* _ptr(tensor):
+    return <void*><uintptr_t>tensor.data_ptr()
+
+
+cdef _as_input(x, dtype, np_dtype):
+    """``x`` as a contiguous CPU tensor of ``dtype`` without copying, or None where that needs work."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype is dtype and x.is_cpu and x.is_contiguous():
+            return x
+    elif isinstance(x, np.ndarray):
+        if x.dtype == np_dtype and x.flags.c_contiguous and x.flags.writeable:
+            return torch.from_numpy(x)
+    return None
+
+
+cdef class TemporalSampler:
+    """Multi-layer temporal neighbor sampler over a :class:`~fastopt.data.TemporalGraph`.
+
+    Args:
+        graph: the event stream (``src``, ``dst``, time-sorted ``ts``, ``num_nodes``).
+        fanouts: neighbors per layer, outermost first, e.g. ``[10, 10]``.
+        strategy: ``"recent"`` (the ``k`` latest) or ``"uniform"`` (``k`` draws with replacement).
+        threads: OpenMP threads; default ``sampler.threads`` of the config (0 = every usable CPU).
+        seed: seed of uniform draws; with the epoch and batch counters it fixes every draw.
+        undirected: an event is a neighbor of both endpoints (default: the config's).
+        reorder: ``"none"``, ``"degree"`` or ``"rcm"`` row order (default: the config's); ids in
+            the outputs are always the original ones.
+        pin_threads: pin threads to CPUs sharing a cache, paired by root-chunk overlap (default:
+            the config's); :attr:`placement` says what was done and why.
+        dedup: fill the ``unique_nodes``/``unique_eids`` fields of every block and of the batch.
+        limit: use only events ``[0, limit)`` (e.g. ``graph.train_end``); default all.
+
+    Call :meth:`reset` at the start of every epoch: it rewinds the per-node time pointers and
+    advances the epoch of the random draws. Not reentrant: concurrent calls are serialized.
+    """
+
+    cdef Entry* _edges  # T-CSR entries, row by row, each row in time order
+    cdef int64_t* _indptr  # [rows + 1] row starts
+    cdef int64_t* _ptr  # [rows] per-row time pointer of the root layer
+    cdef int64_t* _rows  # [num_nodes] node -> row under the reordering (NULL: identity)
+    cdef int64_t* _fanout
+    cdef Bitset* _bitsets  # one per dedup task
+    cdef int* _cpus  # CPU of each thread when pinned (NULL: not pinned)
+    cdef int _num_layers
+    cdef int _nthreads
+    cdef bint _uniform
+    cdef int64_t _num_nodes
+    cdef int64_t _num_edges
+    cdef uint64_t _key
+    cdef uint64_t _epoch
+    cdef uint64_t _batch
+    cdef object _lock
+    cdef object _row_map
+    cdef readonly list fanouts
+    cdef readonly str strategy
+    cdef readonly int threads
+    cdef readonly uint64_t seed
+    cdef readonly bint undirected
+    cdef readonly str reorder
+    cdef readonly bint pin_threads
+    cdef readonly bint dedup
+    cdef readonly object placement
+
+    def __cinit__(self):
+        self._edges = NULL
+        self._indptr = NULL
+        self._ptr = NULL
+        self._rows = NULL
+        self._fanout = NULL
+        self._bitsets = NULL
+        self._cpus = NULL
+        self._num_layers = 0
+
+    def __dealloc__(self):
+        cdef int i
+        if self._bitsets != NULL:
+            for i in range(self._num_tasks()):
+                _bitset_free(&self._bitsets[i])
+        free(self._bitsets)
+        free(self._edges)
+        free(self._indptr)
+        free(self._ptr)
+        free(self._rows)
+        free(self._fanout)
+        free(self._cpus)
+
+    def __init__(self, graph, fanouts=(10, 10), strategy="recent", threads=None, seed=0,
+                 undirected=None, reorder=None, pin_threads=None, dedup=True, limit=None):
+        cfg = default_config().sampler
+        self.fanouts = check_fanouts(fanouts, strategy)
+        self.strategy = strategy
+        if threads is None:
+            threads = cfg.threads or len(os.sched_getaffinity(0))
+        self.threads = check_threads(threads)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise SamplerError(f"seed {seed!r} must be an integer; pass e.g. seed=0")
+        self.seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+        self.undirected = bool(cfg.undirected if undirected is None else undirected)
+        self.reorder = cfg.reorder if reorder is None else reorder
+        self.pin_threads = bool(cfg.pin_threads if pin_threads is None else pin_threads)
+        self.dedup = bool(dedup)
+        self.placement = None
+        self._lock = threading.Lock()
+        self._uniform = strategy == "uniform"
+        self._nthreads = self.threads
+        self._num_layers = len(self.fanouts)
+        self._key = _mix(self.seed ^ <uint64_t>0x5A3C0FFEE)
+        self._epoch = 0
+        self._batch = 0
+
+        src, dst, ts = _graph_arrays(graph, limit)
+        self._num_nodes = int(graph.num_nodes)
+        self._num_edges = src.shape[0]
+        rows = node_rows(src, dst, self._num_nodes, self.reorder)
+        self._row_map = rows
+        if rows is not None:
+            self._rows = <int64_t*>malloc(max(self._num_nodes, 1) * sizeof(int64_t))
+            memcpy(self._rows, _ptr(torch.from_numpy(rows)), self._num_nodes * sizeof(int64_t))
+        self._build(src, dst, ts)
+        self._fanout = <int64_t*>malloc(self._num_layers * sizeof(int64_t))
+        for i, k in enumerate(self.fanouts):
+            self._fanout[i] = k
+        if self.dedup:
+            self._bitsets = <Bitset*>calloc(self._num_tasks(), sizeof(Bitset))
+            for i in range(self._num_tasks()):
+                _bitset_init(&self._bitsets[i], self._num_nodes if self._is_node_task(i)
+                             else self._num_edges + 1)
+        self.reset(0)
+
+    # ------------------------------------------------------------------ construction
+    def _build(self, const int64_t[::1] src, const int64_t[::1] dst, const double[::1] ts):
+        """Counting-sort the events into T-CSR rows; event order keeps every row time-sorted."""
+        cdef int64_t n = src.shape[0], nn = self._num_nodes, e, r, total
+        cdef int64_t* rows = self._rows
+        cdef int64_t* cursor
+        cdef int64_t a, b
+        cdef bint both = self.undirected
+        total = n * 2 if both else n
+        self._indptr = <int64_t*>calloc(nn + 1, sizeof(int64_t))
+        self._ptr = <int64_t*>malloc(max(nn, 1) * sizeof(int64_t))
+        self._edges = <Entry*>malloc(max(total, 1) * sizeof(Entry))
+        cursor = <int64_t*>malloc((nn + 1) * sizeof(int64_t))
+        if self._indptr == NULL or self._ptr == NULL or self._edges == NULL or cursor == NULL:
+            free(cursor)
+            raise MemoryError(f"T-CSR of {total} entries does not fit in memory")
+        with nogil:
+            for e in range(n):
+                self._indptr[(src[e] if rows == NULL else rows[src[e]]) + 1] += 1
+                if both:
+                    self._indptr[(dst[e] if rows == NULL else rows[dst[e]]) + 1] += 1
+            for r in range(nn):
+                self._indptr[r + 1] += self._indptr[r]
+            memcpy(cursor, self._indptr, (nn + 1) * sizeof(int64_t))
+            for e in range(n):
+                a = _append(self._edges, cursor, src[e] if rows == NULL else rows[src[e]], dst[e], e, ts[e])
+                if both:
+                    b = _append(self._edges, cursor, dst[e] if rows == NULL else rows[dst[e]], src[e], e, ts[e])
+                    self._edges[b].twin = a
+                    self._edges[a].twin = b
+        free(cursor)
+
+    cdef int _num_tasks(self):
+        # per layer: nodes and edges; for the batch: nodes, and edges when there are 2+ layers
+        return 2 * self._num_layers + 1 + (self._num_layers > 1)
+
+    cdef bint _is_node_task(self, int i):
+        return i < self._num_layers or i == 2 * self._num_layers
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def num_nodes(self):
+        return int(self._num_nodes)
+
+    @property
+    def num_edges(self):
+        """Events the sampler draws from (``limit`` or all)."""
+        return int(self._num_edges)
+
+    @property
+    def epoch(self):
+        return int(self._epoch)
+
+    def reset(self, epoch=None):
+        """Start an epoch: rewind the per-node time pointers; ``epoch`` defaults to the next one."""
+        with self._lock:
+            self._epoch = self._epoch + 1 if epoch is None else int(epoch)
+            self._batch = 0
+            if self._num_nodes:
+                memcpy(self._ptr, self._indptr, self._num_nodes * sizeof(int64_t))
+
+    def sample(self, roots, times):
+        """Sample every layer for ``roots`` at ``times``.
+
+        Args:
+            roots: ``[R]`` node ids (int64 tensor or array; other integer types are converted).
+            times: ``[R]`` query times (float64; other numeric types are converted).
+
+        Returns:
+            A :class:`SampledBatch`: one :class:`TemporalBlock` per layer (outermost first) and,
+            with ``dedup``, unique node and edge ids with inverse indices per block and batch.
+
+        Raises:
+            SamplerError: a root out of range, a non-finite time, mismatched lengths or a dtype
+                that cannot be converted without loss.
+        """
+        r = _as_input(roots, torch.int64, np.int64)
+        t = _as_input(times, torch.float64, np.float64)
+        if r is None or t is None or r.dim() != 1 or r.shape != t.shape:
+            r, t = (torch.from_numpy(np.require(a, requirements=("C", "W")))
+                    for a in check_roots(roots, times, self._num_nodes))
+        with self._lock:
+            if self.pin_threads:
+                self._pin(r)
+            batch = self._sample(r, t)
+        if batch is None:
+            check_roots(roots, times, self._num_nodes)  # raises with the offending value
+            raise SamplerError("roots or times are invalid")
+        return batch
+
+    # ------------------------------------------------------------------ internals
+    cdef _pin(self, roots):
+        """Plan the thread placement on the first batch, then keep every thread on its CPU."""
+        cdef int i, fails = 0, nth = self._nthreads
+        cdef int* cpus
+        if self.placement is None:
+            nodes = roots.numpy()
+            chunks = [nodes[c] for c in static_chunks(nodes.shape[0], nth)]
+            self.placement = plan_placement(read_topology(), nth, chunks)
+            if self.placement.cpus is not None:
+                self._cpus = <int*>malloc(nth * sizeof(int))
+                for i in range(nth):
+                    self._cpus[i] = self.placement.cpus[i]
+        if self._cpus == NULL:
+            return
+        cpus = self._cpus
+        for i in prange(nth, nogil=True, schedule="static", chunksize=1, num_threads=nth):
+            fails += fo_pin_self(cpus[threadid()]) != 0
+        if fails:
+            free(self._cpus)
+            self._cpus = NULL
+            self.placement.cpus = None
+            self.placement.reason = "the OS refused to pin threads; left them unpinned"
+
+    cdef _sample(self, roots, times):
+        cdef int L = self._num_layers, l, nth = self._nthreads
+        cdef int64_t m = roots.shape[0], i, err = 0, k
+        cdef Layer* layers = <Layer*>calloc(L, sizeof(Layer))
+        cdef int64_t** hints = <int64_t**>calloc(L, sizeof(int64_t*))
+        cdef Layer* c
+        cdef uint64_t key = _mix(self._key ^ _mix(self._epoch * <uint64_t>0x9E3779B97F4A7C15ULL
+                                                  + self._batch))
+        self._batch += 1
+        blocks = []
+        dst, dst_t, valid = roots, times, None
+        try:
+            for l in range(L):
+                k = self._fanout[l]
+                nbr = torch.empty((m, k), dtype=torch.int64)
+                eid = torch.empty((m, k), dtype=torch.int64)
+                nts = torch.empty((m, k), dtype=torch.float64)
+                dt = torch.empty((m, k), dtype=torch.float32)
+                mask = torch.empty((m, k), dtype=torch.bool)
+                indptr = torch.empty(m + 1, dtype=torch.int64)
+                c = &layers[l]
+                c.edges = self._edges
+                c.indptr = self._indptr
+                c.ptr = self._ptr if l == 0 else NULL
+                c.rows = self._rows
+                c.dst = <int64_t*>_ptr(dst)
+                c.dst_t = <double*>_ptr(dst_t)
+                c.valid = NULL if valid is None else <uint8_t*>_ptr(valid)
+                c.hint = NULL if l == 0 else hints[l - 1]
+                if l + 1 < L and self.undirected:
+                    hints[l] = <int64_t*>malloc(m * k * sizeof(int64_t))
+                    if hints[l] == NULL:
+                        raise MemoryError(f"no memory for {m * k} sampled entries")
+                c.next_hint = hints[l]
+                c.num_nodes = self._num_nodes
+                c.m = m
+                c.k = k
+                c.uniform = self._uniform
+                c.key = _mix(key + <uint64_t>(l + 1) * <uint64_t>0xC2B2AE3D27D4EB4FULL)
+                c.nbr = <int64_t*>_ptr(nbr)
+                c.eid = <int64_t*>_ptr(eid)
+                c.nts = <double*>_ptr(nts)
+                c.dt = <float*>_ptr(dt)
+                c.mask = <uint8_t*>_ptr(mask)
+                c.out_indptr = <int64_t*>_ptr(indptr)
+                blocks.append(TemporalBlock(dst, dst_t, nbr, eid, nts, dt, mask, indptr))
+                dst, dst_t, valid = nbr.view(-1), nts.view(-1), mask.view(-1)
+                m *= k
+            with nogil:
+                for l in range(L):
+                    c = &layers[l]
+                    for i in prange(c.m, schedule="static", num_threads=nth,
+                                    use_threads_if=c.m >= 256):
+                        err += _sample_row(c, i)
+                    if err:
+                        break
+                    c.out_indptr[0] = 0
+                    for i in range(c.m):
+                        c.out_indptr[i + 1] += c.out_indptr[i]
+        finally:
+            for l in range(L):
+                free(hints[l])
+            free(hints)
+            free(layers)
+        if err:
+            return None
+        batch = SampledBatch(roots, times, blocks)
+        if self.dedup:
+            batch.unique_nodes, batch.unique_eids = self._dedup(roots, blocks)
+        return batch
+
+    cdef tuple _dedup(self, roots, list blocks):
+        """Fill ``unique_nodes``/``unique_eids`` of every block and of the batch."""
+        cdef int L = self._num_layers, l, nt = self._num_tasks(), nth = self._nthreads, ti
+        cdef int64_t n, off, total
+        cdef Task* tasks = <Task*>calloc(nt, sizeof(Task))
+        cdef Seg* segs = <Seg*>malloc((3 * L + 1 + L) * sizeof(Seg))
+        cdef int s = 0
+        # segments: layer l's nodes, layer l's edges, then the batch's roots + nodes, batch edges
+        total = roots.shape[0] + sum(b.nbr_nodes.numel() for b in blocks)
+        batch_nodes_inv = torch.empty(total, dtype=torch.int64)
+        inverses = []
+        try:
+            for l in range(L):
+                b = blocks[l]
+                inverses.append((torch.empty_like(b.nbr_nodes), torch.empty_like(b.nbr_eids)))
+            for ti in range(nt):
+                tasks[ti].bits = &self._bitsets[ti]
+                tasks[ti].offset = 0 if self._is_node_task(ti) else 1
+                tasks[ti].first = s
+                if ti < 2 * L:
+                    l = ti % L
+                    b = blocks[l]
+                    ids = b.nbr_nodes if ti < L else b.nbr_eids
+                    segs[s].ids = <int64_t*>_ptr(ids)
+                    segs[s].inv = <int64_t*>_ptr(inverses[l][ti >= L])
+                    segs[s].n = ids.numel()
+                    s += 1
+                else:
+                    node_task = ti == 2 * L
+                    off = 0
+                    if node_task:
+                        segs[s].ids = <int64_t*>_ptr(roots)
+                        segs[s].inv = <int64_t*>_ptr(batch_nodes_inv)
+                        segs[s].n = roots.shape[0]
+                        off = segs[s].n
+                        s += 1
+                    else:
+                        batch_eids_inv = torch.empty(total - roots.shape[0], dtype=torch.int64)
+                    for l in range(L):
+                        ids = blocks[l].nbr_nodes if node_task else blocks[l].nbr_eids
+                        n = ids.numel()
+                        segs[s].ids = <int64_t*>_ptr(ids)
+                        segs[s].inv = (<int64_t*>_ptr(batch_nodes_inv if node_task else batch_eids_inv)) + off
+                        segs[s].n = n
+                        off += n
+                        s += 1
+                tasks[ti].nseg = s - tasks[ti].first
+            for ti in prange(nt, nogil=True, schedule="dynamic", chunksize=1, num_threads=nth,
+                             use_threads_if=total >= 4096):
+                _mark(&tasks[ti], segs)
+            values = []
+            for ti in range(nt):
+                values.append(torch.empty(tasks[ti].count, dtype=torch.int64))
+                tasks[ti].values = <int64_t*>_ptr(values[ti])
+            for ti in prange(nt, nogil=True, schedule="dynamic", chunksize=1, num_threads=nth,
+                             use_threads_if=total >= 4096):
+                _rank(&tasks[ti], segs)
+        finally:
+            free(tasks)
+            free(segs)
+        for l in range(L):
+            blocks[l].unique_nodes = Unique(values[l], inverses[l][0])
+            blocks[l].unique_eids = Unique(values[L + l], inverses[l][1])
+        batch_eids = (Unique(values[2 * L + 1], batch_eids_inv) if L > 1 else
+                      Unique(values[L], inverses[0][1].view(-1)))
+        return Unique(values[2 * L], batch_nodes_inv), batch_eids
+
+
+def _graph_arrays(graph, limit):
+    """The graph's first ``limit`` events as contiguous int64/int64/float64 arrays, checked."""
+    n = int(graph.src.shape[0])
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or not 0 <= limit <= n:
+            raise SamplerError(f"limit={limit!r} must be an integer in [0, {n}] (events of the "
+                               f"graph); pass e.g. graph.train_end")
+        n = int(limit)
+    src = np.ascontiguousarray(graph.src[:n], dtype=np.int64)
+    dst = np.ascontiguousarray(graph.dst[:n], dtype=np.int64)
+    ts = np.ascontiguousarray(graph.ts[:n], dtype=np.float64)
+    num_nodes = int(graph.num_nodes)
+    if n and (min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= num_nodes):
+        raise SamplerError(f"event endpoints must lie in [0, num_nodes={num_nodes}); the graph "
+                           f"has ids {min(src.min(), dst.min())}..{max(src.max(), dst.max())}")
+    if n and not np.isfinite(ts).all():
+        raise SamplerError("event times must be finite; repair the graph's timestamps")
+    if n > 1 and (ts[1:] < ts[:-1]).any():
+        i = int(np.argmax(ts[1:] < ts[:-1]))
+        raise SamplerError(f"event times must be sorted: event {i + 1} has ts={ts[i + 1]} < "
+                           f"ts={ts[i]} of event {i}; sort the events by time")
+    return src, dst, ts

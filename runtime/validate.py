@@ -1,0 +1,64 @@
+"""Input checks shared by every temporal sampler (the NumPy oracle and the Cython sampler).
+
+Each check raises :class:`~fastopt.errors.SamplerError` naming the offending value and the fix,
+and converts silently only where no information is lost.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from fastopt.errors import SamplerError
+
+__all__ = ["STRATEGIES", "check_fanouts", "check_roots", "check_threads"]
+
+STRATEGIES = ("recent", "uniform")
+
+
+def check_fanouts(fanouts: Sequence[int], strategy: str) -> list:
+    """Validate the sampler's layer widths and strategy (shared by every sampler)."""
+    fanouts = list(fanouts)
+    for k in fanouts:
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
+            raise SamplerError(f"fanout {k!r} must be a positive integer; use e.g. fanouts=[10]")
+    if strategy not in STRATEGIES:
+        raise SamplerError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+    return [int(k) for k in fanouts]
+
+
+def check_threads(threads) -> int:
+    """Validate an explicit sampler thread count."""
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads <= 0:
+        raise SamplerError(f"threads={threads!r} must be a positive integer; pass e.g. threads=2, "
+                           f"or leave it unset to use sampler.threads of the config")
+    return int(threads)
+
+
+def check_roots(roots, times, num_nodes: int):
+    """Convert roots/times to int64/float64 NumPy arrays, raising on out-of-range or NaN input."""
+    roots = roots.cpu().numpy() if isinstance(roots, torch.Tensor) else np.asarray(roots)
+    times = times.cpu().numpy() if isinstance(times, torch.Tensor) else np.asarray(times)
+    if roots.ndim != 1 or times.ndim != 1 or roots.shape != times.shape:
+        raise SamplerError(f"roots and times must be 1-d and of one length (got shapes {roots.shape} "
+                           f"and {times.shape}); pass one time per root")
+    if roots.dtype.kind not in "iu":
+        if roots.dtype.kind == "f" and roots.size and (roots == np.floor(roots)).all():
+            pass  # integral floats convert without loss
+        elif roots.size:
+            raise SamplerError(f"roots must be integer node ids (got dtype {roots.dtype}); pass an "
+                               f"int64 array")
+    roots = roots.astype(np.int64, copy=False)
+    if roots.size and (roots.min() < 0 or roots.max() >= num_nodes):
+        bad = roots.min() if roots.min() < 0 else roots.max()
+        raise SamplerError(f"root id {bad} is outside [0, num_nodes={num_nodes}); pass node ids of "
+                           f"the sampled graph")
+    if times.dtype.kind not in "iuf":
+        raise SamplerError(f"times must be numeric (got dtype {times.dtype})")
+    times = times.astype(np.float64, copy=False)
+    if times.size and not np.isfinite(times).all():
+        bad = times[~np.isfinite(times)][0]
+        raise SamplerError(f"root time {bad} is not finite; pass finite timestamps")
+    return roots, times
