@@ -79,14 +79,18 @@ class FuseMaskedAggregation(RewritePass):
         if not isinstance(dim, int) or arg(red, 2, "keepdim", False) or arg(red, 3, "dtype"):
             return "the sum is not over one dimension without keepdim"
         inner = red.args[0]
+        proven = True
         if call(inner, (operator.mul, torch.mul)):
-            x, w = inner.args[0], inner.args[1]
-            base, inverted = _mask_source(w)
-            if base is None or inverted or bool_provenance(base) is not True:
-                x, w = w, x
+            ranked = []
+            for x, w in ((inner.args[0], inner.args[1]), (inner.args[1], inner.args[0])):
                 base, inverted = _mask_source(w)
-            if base is None or inverted or bool_provenance(base) is not True:
-                return "the multiplier is not provably a 0/1 mask (float weights are not fused)"
+                known = None if base is None or inverted else bool_provenance(base)
+                ranked.append((known is True, known is None, x, w, base))
+            ranked.sort(key=lambda r: r[:2], reverse=True)
+            proven, unknown, x, w, base = ranked[0]
+            if not (proven or unknown):
+                return "the multiplier is not a 0/1 mask (float weights are not fused)"
+            # A mask of unknown dtype is fused only if it is boolean when the model runs.
             form = "mul"
         else:
             x, w = inner.args[0], inner.args[1]
@@ -106,5 +110,5 @@ class FuseMaskedAggregation(RewritePass):
             return "a mean whose count is not the clamped count of the same mask (empty rows would be NaN)"
         return Match(
             anchor=red, output=out, nodes=nodes, target=lowering.fused_masked_aggregate,
-            args=(x, w, count), kwargs=dict(form=form, dim=dim, reduce=reduce),
+            args=(x, w, count), kwargs=dict(form=form, dim=dim, reduce=reduce, proven=proven),
             op="masked_aggregate", pattern=f"masked_{reduce}[{form}]")

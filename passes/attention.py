@@ -43,7 +43,7 @@ LARGE_NEGATIVE = -1e9
 _MUL = (operator.mul, torch.mul)
 _DIV = (operator.truediv, torch.div, torch.true_divide)
 _MATMUL = (operator.matmul, torch.matmul, torch.bmm)
-_RANKS = range(2, 7)
+_RANKS = range(6, 1, -1)  # highest first: their reasons name the real mismatch
 
 
 def softmax_of(gm: fx.GraphModule, node: fx.Node):

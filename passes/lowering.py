@@ -474,17 +474,20 @@ def fused_multihead_attention(mha: torch.nn.MultiheadAttention, query: Tensor, k
 
 
 def fused_masked_aggregate(x: Tensor, weight: Tensor, count: Optional[Tensor] = None, *,
-                           form: str, dim: int, reduce: str, site: str = "") -> Tensor:
+                           form: str, dim: int, reduce: str, proven: bool = True,
+                           site: str = "") -> Tensor:
     """Masked sum or mean of neighbor rows over ``dim``, fused.
 
     Computes, with ``form="mul"``: ``s = (x * weight).sum(dim)``; with ``form="fill"``:
     ``s = x.masked_fill(weight, 0).sum(dim)``; then for ``reduce="mean"``: ``s / count``, where
     ``count`` is the clamped number of valid slots. ``weight`` of form ``"mul"`` must hold 0/1
-    values of a boolean mask (checked on its dtype by the pass); ``weight`` of form ``"fill"`` is
-    True on the slots to drop.
+    values of a boolean mask: ``proven`` says the pass saw it cast from a boolean; otherwise
+    ``weight`` itself must be boolean when called. ``weight`` of form ``"fill"`` is True on the
+    slots to drop.
     """
     d = _norm(dim, x.dim())
-    fits = d is not None and d >= 1 and x.dim() >= 2 and weight.dim() <= x.dim()
+    fits = d is not None and d >= 1 and x.dim() >= 2 and weight.dim() <= x.dim() and \
+        (proven or weight.dtype == torch.bool)
     if fits:
         w = weight.reshape((1,) * (x.dim() - weight.dim()) + tuple(weight.shape))
         fits = all(n == 1 for n in w.shape[d + 1:]) and x.is_floating_point()

@@ -8,6 +8,8 @@ Tracing runs ``forward`` on proxies: code that stores results on ``self`` (memor
 of the last batch) would leave proxies in the user's model. :func:`trace` snapshots every
 submodule's attributes and restores them afterwards, whatever happens.
 
+A forward that assigns module attributes is treated as untraceable: fx would drop the write.
+
 ``self.training`` is read as a Python bool while tracing, so code such as
 ``F.dropout(x, p, training=self.training)`` is traced once per mode; the optimized module runs the
 graph of its current mode.
@@ -16,7 +18,7 @@ graph of its current mode.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator
+from typing import Dict, Iterator, List
 
 import torch
 from torch import fx, nn
@@ -41,13 +43,22 @@ class FastOptTracer(fx.Tracer):
 
 
 @contextlib.contextmanager
-def _preserved(module: nn.Module) -> Iterator[None]:
-    """Restore every submodule's attribute dict (and its training flag) on exit."""
+def _preserved(module: nn.Module) -> Iterator[List[str]]:
+    """Restore every submodule's attribute dict (and its training flag) on exit.
+
+    Yields a list that, once the body ran, names the attributes the body assigned: state writes
+    a graph cannot express (``self._last = x`` is not recorded by fx).
+    """
     saved: Dict[nn.Module, dict] = {m: dict(m.__dict__) for m in module.modules()}
     inner = {m: (dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in saved}
+    writes: List[str] = []
     try:
-        yield
+        yield writes
     finally:
+        for m, attrs in saved.items():
+            for key, value in m.__dict__.items():
+                if key != "training" and (key not in attrs or attrs[key] is not value):
+                    writes.append(f"{type(m).__name__}.{key}")
         for m, attrs in saved.items():
             m.__dict__.clear()
             m.__dict__.update(attrs)
@@ -66,7 +77,7 @@ def trace(module: nn.Module, training: bool) -> fx.GraphModule:
     Raises:
         TraceError: naming the module's class and the tracer's complaint.
     """
-    with _preserved(module):
+    with _preserved(module) as writes:
         module.train(training)
         try:
             graph = FastOptTracer().trace(module)
@@ -76,4 +87,9 @@ def trace(module: nn.Module, training: bool) -> fx.GraphModule:
                 f"{str(exc).splitlines()[0] if str(exc) else ''}"
             ) from exc
         gm = fx.GraphModule(module, graph, class_name=type(module).__name__)
+    if writes:
+        raise TraceError(
+            f"{type(module).__name__} cannot be traced by torch.fx: its forward assigns "
+            f"{', '.join(sorted(set(writes)))}, a state write a graph does not record"
+        )
     return gm

@@ -1,0 +1,125 @@
+"""fastopt.optimize end to end: unchanged models, verify, dumps, failures, dropout, config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx, nn
+
+import fastopt
+from fastopt.errors import FastOptError, TraceError
+from fastopt.models.layers import TemporalAttention
+from fastopt.passes import PassManager, default_pipeline, optimize_module
+
+from conftest import neighbor_mask
+
+
+def _layer_inputs(m=6, k=4):
+    return (torch.randn(m, 8), torch.randn(m, k, 8), torch.randn(m, k, 4), torch.rand(m, k) * 10,
+            neighbor_mask(m, k))
+
+
+def test_model_without_attention_comes_back_unchanged():
+    mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    out = fastopt.optimize(mlp)
+    assert out is mlp
+    assert "no fusable attention" in str(out.fastopt_report)
+
+
+def test_untraceable_model_comes_back_unchanged():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent control flow
+                return self.lin(x)
+            return x
+
+    model = Branchy()
+    out = fastopt.optimize(model)
+    assert out is model
+    text = str(out.fastopt_report)
+    assert "cannot be traced" in text and "returned unchanged" in text
+
+
+def test_verify_passes_and_catches_a_wrong_rewrite(monkeypatch):
+    torch.manual_seed(0)
+    layer = TemporalAttention(8, 4, 6, 8).eval()
+    fast = fastopt.optimize(layer, verify=True)
+    fast(*_layer_inputs())
+
+    from fastopt.passes import lowering
+
+    real = lowering.fused_attention
+    monkeypatch.setattr(lowering, "fused_attention",
+                        lambda *a, **kw: real(*a, **kw) * 1.01)
+    bad = optimize_module(layer, verify=True)[0]
+    with pytest.raises(FastOptError, match="largest difference"):
+        bad(*_layer_inputs())
+
+
+def test_dropout_in_training_is_fused_and_keeps_the_expected_scale():
+    torch.manual_seed(0)
+    layer = TemporalAttention(8, 4, 6, 8, dropout=0.5).train()
+    fast = fastopt.optimize(layer)
+    args = _layer_inputs(m=64)
+    with fastopt.patch(passes__fuse_dropout=False):
+        torch.manual_seed(1)
+        unfused = fast(*args)
+    torch.manual_seed(1)
+    eager = layer(*args)
+    torch.testing.assert_close(unfused, eager)  # same torch RNG draws in the same order
+    torch.manual_seed(1)
+    fused = fast(*args)
+    assert fused.shape == eager.shape and torch.isfinite(fused).all()
+
+
+def test_graphs_traced_per_mode():
+    class FunctionalDropout(nn.Module):
+        def forward(self, q, k, v, mask):
+            s = (q * k).sum(-1).masked_fill(~mask[..., None], -1e9)
+            a = torch.softmax(s, 1).masked_fill(~mask[..., None], 0.0)
+            a = torch.nn.functional.dropout(a, 0.3, training=self.training)
+            return (a.unsqueeze(-1) * v).sum(1)
+
+    model = FunctionalDropout().eval()
+    fast = fastopt.optimize(model)
+    q, k, v = torch.randn(5, 1, 2, 3), torch.randn(5, 4, 2, 3), torch.randn(5, 4, 2, 3)
+    mask = neighbor_mask(5, 4)
+    torch.testing.assert_close(fast(q, k, v, mask), model(q, k, v, mask))
+    assert fast._fastopt_graphs[True] is not fast._fastopt_graphs[False]
+
+
+def test_dump_graphs(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTOPT_DUMP_GRAPHS", str(tmp_path))
+    fastopt.optimize(TemporalAttention(8, 4, 6, 8))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert any("fuse_temporal_attention.before" in n for n in names)
+    assert any("fuse_temporal_attention.after" in n for n in names)
+    after = next(p for p in tmp_path.iterdir() if "fuse_temporal_attention.after" in p.name)
+    assert "fused_attention" in after.read_text()
+
+
+def test_failing_pass_is_named_with_the_passes_before_it():
+    class Boom:
+        name = "explode"
+
+        def __call__(self, gm):
+            raise RuntimeError("kaboom")
+
+    def pipeline():
+        return PassManager(default_pipeline().passes[:2] + [Boom()])
+
+    with pytest.raises(TraceError, match=r"pass explode failed .*fuse_multihead_attention, fuse_sdpa_attention.*kaboom"):
+        optimize_module(TemporalAttention(8, 4, 6, 8), make_pipeline=pipeline)
+
+
+def test_config_group_applies_while_running():
+    cfg = fastopt.Config()
+    cfg.set("passes.fuse_dropout", False)
+    fast = fastopt.optimize(TemporalAttention(8, 4, 6, 8), config=cfg)
+    assert fast._fastopt_changes == {"passes__fuse_dropout": False}
+    with pytest.raises(FastOptError):
+        fastopt.optimize(TemporalAttention(8, 4, 6, 8), config=3)

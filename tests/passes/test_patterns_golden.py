@@ -1,0 +1,238 @@
+"""Golden tests of the other pattern families, and near misses that must be left alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from fastopt.passes import (FuseMaskedAggregation, FuseMultiheadAttention, FuseSdpaAttention,
+                            FuseTemporalAttention, FuseTimeEncoding, ProjectBeforeGather, trace)
+from fastopt.passes.lowering import (fused_masked_aggregate, fused_multihead_attention, fused_sdpa,
+                                     fused_time_encode, project_rows)
+
+from conftest import graph_signature, neighbor_mask
+
+for _name in ("fused_masked_aggregate", "fused_multihead_attention", "fused_sdpa",
+              "fused_time_encode", "project_rows"):
+    fx.wrap(_name)
+
+M, K, E = 6, 7, 8
+
+
+def _check(before, expected, pass_cls, inputs, grads=True):
+    gm = trace(before, training=False)
+    p = pass_cls()
+    gm, modified = p(gm)
+    assert modified and p.matches == 1
+    exp = trace(expected, training=False)
+    exp.graph.eliminate_dead_code()
+    assert graph_signature(gm) == graph_signature(exp)
+    args = inputs()
+    leaves = [a.requires_grad_() for a in args if a.is_floating_point()]
+    ref, got = before(*args), gm(*args)
+    ref, got = (ref[0], got[0]) if isinstance(ref, tuple) else (ref, got)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    if grads:
+        params = leaves + list(before.parameters())
+        ga = torch.autograd.grad(ref.sum(), params, allow_unused=True)
+        gb = torch.autograd.grad(got.sum(), params, allow_unused=True)
+        for a, b in zip(ga, gb):
+            if a is not None:
+                torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_multihead_attention(batch_first):
+    class Before(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(E, 2, kdim=5, vdim=5, batch_first=batch_first)
+
+        def forward(self, query, kv, padding):
+            out, _ = self.attn(query, kv, kv, key_padding_mask=padding, need_weights=False)
+            return out
+
+    class Expected(Before):
+        def forward(self, query, kv, padding):
+            out, _ = fused_multihead_attention(self.attn, query, kv, kv, padding, need_weights=False)
+            return out
+
+    def inputs():
+        q, kv = torch.randn(M, 1, E), torch.randn(M, K, 5)
+        if not batch_first:
+            q, kv = q.transpose(0, 1), kv.transpose(0, 1)
+        padding = ~neighbor_mask(M, K, empty_rows=0)
+        padding[:, 0] = False
+        return q, kv, padding
+
+    torch.manual_seed(0)
+    before = Before().eval()
+    expected = Expected().eval()
+    expected.load_state_dict(before.state_dict())
+    _check(before, expected, FuseMultiheadAttention, inputs)
+
+
+def test_sdpa_with_boolean_mask():
+    class Before(nn.Module):
+        def forward(self, q, k, v, mask):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
+
+    class Expected(nn.Module):
+        def forward(self, q, k, v, mask):
+            return fused_sdpa(q, k, v, mask[:, None, None, :], dropout_p=0.0, scale=None)
+
+    def inputs():
+        return (torch.randn(M, 2, 1, 4), torch.randn(M, 2, K, 4), torch.randn(M, 2, K, 4),
+                neighbor_mask(M, K))
+
+    _check(Before(), Expected(), FuseSdpaAttention, inputs)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_masked_aggregation(reduce):
+    class Before(nn.Module):
+        def forward(self, x, mask):
+            s = (x * mask.unsqueeze(-1)).sum(1)
+            return s / mask.sum(1, keepdim=True).clamp(min=1) if reduce == "mean" else s
+
+    class Expected(nn.Module):
+        def forward(self, x, mask):
+            weight = mask.unsqueeze(-1)
+            count = mask.sum(1, keepdim=True).clamp(min=1) if reduce == "mean" else None
+            return fused_masked_aggregate(x, weight, count, form="mul", dim=1, reduce=reduce,
+                                          proven=False)
+
+    _check(Before(), Expected(), FuseMaskedAggregation,
+           lambda: (torch.randn(M, K, 3), neighbor_mask(M, K)))
+
+
+def test_masked_fill_aggregation():
+    class Before(nn.Module):
+        def forward(self, x, mask):
+            return x.masked_fill(~mask[..., None], 0.0).sum(dim=1)
+
+    class Expected(nn.Module):
+        def forward(self, x, mask):
+            return fused_masked_aggregate(x, ~mask[..., None], None, form="fill", dim=1,
+                                          reduce="sum", proven=True)
+
+    _check(Before(), Expected(), FuseMaskedAggregation,
+           lambda: (torch.randn(M, K, 3), neighbor_mask(M, K)))
+
+
+def test_time_encoding():
+    class Before(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Linear(1, 5)
+
+        def forward(self, dt):
+            return torch.cos(self.w(dt.unsqueeze(-1)))
+
+    class Expected(Before):
+        def forward(self, dt):
+            return fused_time_encode(dt, self.w)
+
+    torch.manual_seed(0)
+    before, expected = Before(), Expected()
+    expected.load_state_dict(before.state_dict())
+    _check(before, expected, FuseTimeEncoding, lambda: (torch.rand(M, K) * 100,))
+
+
+def test_project_before_gather():
+    class Before(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 3)
+
+        def forward(self, table, index):
+            return self.proj(table[index])
+
+    class Expected(Before):
+        def forward(self, table, index):
+            return project_rows(self.proj, table, index)
+
+    torch.manual_seed(0)
+    before, expected = Before(), Expected()
+    expected.load_state_dict(before.state_dict())
+    _check(before, expected, ProjectBeforeGather,
+           lambda: (torch.randn(5, 4), torch.randint(0, 5, (M, K))))
+
+
+# ----------------------------------------------------------------------------- near misses
+
+
+class WrongDim(nn.Module):  # softmax over heads, sum over neighbors
+    def forward(self, q, k, v, mask):
+        s = (q * k).sum(-1).masked_fill(~mask[..., None], -1e9)
+        a = torch.softmax(s, dim=2)
+        return (a.unsqueeze(-1) * v).sum(1)
+
+
+class AdditiveMask(nn.Module):  # float mask added to the scores
+    def forward(self, q, k, v, mask):
+        s = (q * k).sum(-1) + (mask[..., None].float() - 1.0) * 1e9
+        a = torch.softmax(s, dim=1)
+        return (a.unsqueeze(-1) * v).sum(1)
+
+
+class SmallFill(nn.Module):  # -10 does not remove masked neighbors
+    def forward(self, q, k, v, mask):
+        s = (q * k).sum(-1).masked_fill(~mask[..., None], -10.0)
+        return (torch.softmax(s, dim=1).unsqueeze(-1) * v).sum(1)
+
+
+class LeakyScores(nn.Module):  # GAT-style activation on the scores
+    def forward(self, q, k, v, mask):
+        s = F.leaky_relu((q * k).sum(-1), 0.2).masked_fill(~mask[..., None], -1e9)
+        return (torch.softmax(s, dim=1).unsqueeze(-1) * v).sum(1)
+
+
+class WeightsReturned(nn.Module):  # the weights leave the subgraph
+    def forward(self, q, k, v, mask):
+        s = (q * k).sum(-1).masked_fill(~mask[..., None], -1e9)
+        a = torch.softmax(s, dim=1)
+        return (a.unsqueeze(-1) * v).sum(1), a
+
+
+@pytest.mark.parametrize("cls, reason", [
+    (WrongDim, "weighted sum reduces another dimension"),
+    (AdditiveMask, "not masked with masked_fill"),
+    (SmallFill, "is not -inf"),
+    (LeakyScores, "LeakyReLU"),
+    (WeightsReturned, "several users"),
+])
+def test_near_misses_are_left_alone(cls, reason):
+    gm = trace(cls(), training=False)
+    p = FuseTemporalAttention()
+    _, modified = p(gm)
+    assert not modified and p.matches == 0
+    assert len(p.left_alone) == 1 and reason in p.left_alone[0].reason
+
+
+def test_sdpa_with_float_mask_is_left_alone():
+    class FloatMask(nn.Module):
+        def forward(self, q, k, v, mask):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.float() * -1e9)
+
+    p = FuseSdpaAttention()
+    _, modified = p(trace(FloatMask(), training=False))
+    assert not modified and "not boolean" in p.left_alone[0].reason
+
+
+def test_float_weights_are_not_aggregated():
+    class Weighted(nn.Module):
+        def forward(self, x, w):
+            return (x.float() * (w * 2.0).unsqueeze(-1)).sum(1)
+
+    p = FuseMaskedAggregation()
+    _, modified = p(trace(Weighted(), training=False))
+    assert not modified and "0/1 mask" in p.left_alone[0].reason
+
+
+def test_float_mask_of_unknown_dtype_runs_eager():
+    x, w = torch.randn(M, K, 3), torch.rand(M, K, 1)
+    torch.testing.assert_close(fused_masked_aggregate(x, w, None, form="mul", dim=1, reduce="sum", proven=False),
+                               (x * w).sum(1))
