@@ -84,7 +84,9 @@ class FuseMaskedAggregation(RewritePass):
             ranked = []
             for x, w in ((inner.args[0], inner.args[1]), (inner.args[1], inner.args[0])):
                 base, inverted = _mask_source(w)
-                known = None if base is None or inverted else bool_provenance(base)
+                known = False if base is None or inverted else bool_provenance(base)
+                if known is None and bool_provenance(w) is False:
+                    known = False  # a cast of a mask of unknown dtype: cannot check it later
                 ranked.append((known is True, known is None, x, w, base))
             ranked.sort(key=lambda r: r[:2], reverse=True)
             proven, unknown, x, w, base = ranked[0]

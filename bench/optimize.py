@@ -1,0 +1,152 @@
+"""Benchmark of fastopt.optimize: embedding forward+backward step time of each reference model.
+
+Runs, in one process on one GPU and the same inputs: the eager model, ``torch.compile(model)``
+and ``fastopt.optimize(model)``, at TGN/TGAT batch shapes (600 roots = 200 events with their
+destinations and negatives; 10 most recent neighbors for TGN, 10 x 10 uniform for TGAT; width 100,
+2 heads, 172 edge features as in Wikipedia/Reddit). Each step is timed with CUDA events after
+warm-up; the median is reported. Prints a table and writes JSON with the date, GPU, versions, git
+commit and the exact command::
+
+    python bench/optimize.py --json bench/results/optimize_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import fastopt
+from fastopt.models import APAN, JODIE, TGAT, TGN, GraphInputs
+
+
+def _inputs(model, roots: int, num_nodes: int, edge_dim: int, device) -> GraphInputs:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    nodes = [torch.randint(0, num_nodes, (roots,), generator=g)]
+    times = [torch.rand(roots, generator=g) * 1e6]
+    edge_feat, dt, mask = [], [], []
+    for k in model.fanouts:
+        n = nodes[-1].numel()
+        nodes.append(torch.randint(0, num_nodes, (n * k,), generator=g))
+        times.append(torch.rand(n * k, generator=g) * 1e6)
+        edge_feat.append(torch.randn(n, k, edge_dim, generator=g))
+        dt.append(torch.rand(n, k, generator=g) * 1e4)
+        m = torch.rand(n, k, generator=g) < 0.9
+        mask.append(m)
+    node_feat = [torch.zeros(n.numel(), 0) for n in nodes]
+    to = lambda xs: [x.to(device) for x in xs]  # noqa: E731
+    return GraphInputs(to(nodes), to(times), to(node_feat), to(edge_feat), to(dt), to(mask))
+
+
+def _warm_memory(model) -> None:
+    mem = getattr(model, "memory", None)
+    if mem is not None:
+        g = torch.Generator(device="cpu").manual_seed(1)
+        mem.memory.copy_(torch.randn(mem.memory.shape, generator=g))
+        mem.mails.copy_(torch.randn(mem.mails.shape, generator=g))
+        mem.mail_ts.copy_(torch.rand(mem.mail_ts.shape, generator=g) * 1e4)
+        mem.mail_count.copy_(torch.randint(0, mem.slots + 1, mem.mail_count.shape, generator=g))
+        mem.pending.fill_(True)
+
+
+def _time(fn, inputs, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn(inputs).sum().backward()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(inputs).sum().backward()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _models(num_nodes: int, edge_dim: int):
+    return {
+        "tgn": lambda: TGN(num_nodes, 0, edge_dim),
+        "tgat": lambda: TGAT(0, edge_dim),
+        "jodie": lambda: JODIE(num_nodes, 0, edge_dim),
+        "apan": lambda: APAN(num_nodes, 0, edge_dim),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write results to this JSON file")
+    parser.add_argument("--models", default="tgn,tgat,jodie,apan")
+    parser.add_argument("--roots", type=int, default=600)
+    parser.add_argument("--num-nodes", type=int, default=9227)
+    parser.add_argument("--edge-dim", type=int, default=172)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/optimize.py needs a CUDA GPU; none is available here. Nothing was measured.")
+        return 0
+    device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = []
+    for name in args.models.split(","):
+        torch.manual_seed(0)
+        model = _models(args.num_nodes, args.edge_dim)[name]().to(device).train()
+        _warm_memory(model)
+        inputs = _inputs(model, args.roots, args.num_nodes, args.edge_dim, device)
+        fast = fastopt.optimize(model, verify=True)
+        row = {"model": name, "roots": args.roots, "fanouts": list(model.fanouts),
+               "rewrites": [f"{r.where} {r.pattern} -> {r.op}" for r in fast.fastopt_report.rewrites]}
+        row["eager_ms"] = _time(model, inputs, args.warmup, args.iters)
+        if not args.no_compile:
+            compiled = torch.compile(model)
+            row["compile_ms"] = _time(compiled, inputs, args.warmup, args.iters)
+        row["fastopt_ms"] = _time(fast, inputs, args.warmup, args.iters)
+        row["speedup_vs_eager"] = row["eager_ms"] / row["fastopt_ms"]
+        if "compile_ms" in row:
+            row["speedup_vs_compile"] = row["compile_ms"] / row["fastopt_ms"]
+        rows.append(row)
+        torch._dynamo.reset()
+    print(f"{'model':8} {'eager ms':>10} {'compile ms':>11} {'fastopt ms':>11} {'x eager':>8} {'x compile':>10}")
+    for r in rows:
+        print(f"{r['model']:8} {r['eager_ms']:10.3f} {r.get('compile_ms', float('nan')):11.3f} "
+              f"{r['fastopt_ms']:11.3f} {r['speedup_vs_eager']:8.2f} "
+              f"{r.get('speedup_vs_compile', float('nan')):10.2f}")
+    if args.json:
+        import triton
+
+        record = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "gpu": torch.cuda.get_device_name(),
+            "capability": list(torch.cuda.get_device_capability()),
+            "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "fastopt": fastopt.__version__,
+            "git_commit": _git_commit(),
+            "command": " ".join([sys.executable, *sys.argv]),
+            "timing": f"CUDA events, median of {args.iters} steps after {args.warmup} warm-up",
+            "results": rows,
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
