@@ -54,7 +54,7 @@ def make_sampler(graph: TemporalGraph, fanouts, strategy: str, config: Config):
         TemporalSampler = None
     if TemporalSampler is not None:
         s = config.sampler
-        return TemporalSampler(graph, fanouts=fanouts, strategy=strategy, threads=s.threads,
+        return TemporalSampler(graph, fanouts=fanouts, strategy=strategy, threads=s.threads or None,
                                seed=config.train.seed, undirected=s.undirected, reorder=s.reorder,
                                pin_threads=s.pin_threads)
     from fastopt.sampling import NumpySampler
