@@ -1,9 +1,8 @@
-"""Shared helpers of the passes tests: graph comparison and random neighbor batches."""
+"""Helpers of the passes tests: graph comparison and random neighbor batches."""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 from torch import fx
 
@@ -40,12 +39,6 @@ def small_graph(seed: int = 0, nodes: int = 40, events: int = 300, node_dim: int
         node_feat=rng.standard_normal((nodes, node_dim)).astype(np.float32) if node_dim else None,
         edge_feat=rng.standard_normal((events, edge_dim)).astype(np.float32) if edge_dim else None,
         name="small")
-
-
-@pytest.fixture
-def rng_seed():
-    torch.manual_seed(0)
-    return 0
 
 
 def neighbor_mask(m: int, k: int, p: float = 0.6, empty_rows: int = 1) -> torch.Tensor:

@@ -12,7 +12,7 @@ from torch import fx, nn
 from fastopt.passes import FuseTemporalAttention, trace
 from fastopt.passes.lowering import fused_attention
 
-from conftest import graph_signature, neighbor_mask
+from passes_helpers import graph_signature, neighbor_mask
 
 fx.wrap("fused_attention")
 

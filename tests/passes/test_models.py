@@ -15,7 +15,7 @@ from fastopt.trainer import Trainer
 
 from fastopt.data import TemporalGraph
 
-from conftest import small_graph
+from passes_helpers import small_graph
 
 # Attention layers each model's report must name as rewritten.
 EXPECTED_LAYERS = {

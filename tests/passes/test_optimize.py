@@ -11,7 +11,7 @@ from fastopt.errors import FastOptError, TraceError
 from fastopt.models.layers import TemporalAttention
 from fastopt.passes import PassManager, default_pipeline, optimize_module
 
-from conftest import neighbor_mask
+from passes_helpers import neighbor_mask
 
 
 def _layer_inputs(m=6, k=4):

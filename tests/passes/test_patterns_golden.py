@@ -12,7 +12,7 @@ from fastopt.passes import (FuseMaskedAggregation, FuseMultiheadAttention, FuseS
 from fastopt.passes.lowering import (fused_masked_aggregate, fused_multihead_attention, fused_sdpa,
                                      fused_time_encode, project_rows)
 
-from conftest import graph_signature, neighbor_mask
+from passes_helpers import graph_signature, neighbor_mask
 
 for _name in ("fused_masked_aggregate", "fused_multihead_attention", "fused_sdpa",
               "fused_time_encode", "project_rows"):
