@@ -174,10 +174,9 @@ class NextUseIndex:
             grown[:base] = self._next[:base]
             self._next = grown
         self._next[base:base + n] = NEVER
-        prev = self._last_occ[values]
-        linked = prev >= 0
-        self._next[prev[linked]] = j
-        self._last_occ[values] = torch.arange(base, base + n)
+        prev = self._last_occ.index_select(0, values)
+        self._next.index_fill_(0, prev[prev >= 0], j)
+        self._last_occ.index_copy_(0, values, torch.arange(base, base + n))
         self._offsets.append(base + n)
         self._batches.append(values)
         return values[prev < self._offsets[self.consumed]]
@@ -233,16 +232,15 @@ class SlotDirectory:
                              f"free slots; preload at most the cache's capacity ({self.capacity} rows)")
         free = torch.arange(self.filled, self.filled + ids.numel())
         self.filled += ids.numel()
-        self.slot_of[ids] = free.to(torch.int32)
-        self.id_of[free] = ids
-        self.dirty[free] = False
+        self.slot_of.index_copy_(0, ids, free.to(torch.int32))
+        self.id_of.index_copy_(0, free, ids)
+        self.dirty.index_fill_(0, free, False)
         return free
 
     def refresh(self, ids: torch.Tensor, next_use: int) -> None:
         """Set the next use of those of ``ids`` that are resident (a newly announced batch)."""
-        slots = self.slot_of[ids].long()
-        slots = slots[slots >= 0]
-        self.next_use[slots] = next_use
+        slots = self.slot_of.index_select(0, ids).long()
+        self.next_use.index_fill_(0, slots[slots >= 0], next_use)
 
     def forget_future(self) -> None:
         """Mark every resident's next use unknown (a new epoch's batches are not announced yet)."""
@@ -254,19 +252,19 @@ class SlotDirectory:
         next_use = self.policy.next_use(values)
         if self.capacity == 0:
             return AccessPlan.none(values.numel())
-        slots = self.slot_of[values].long()
+        slots = self.slot_of.index_select(0, values).long()
         hit = slots >= 0
         hit_pos = torch.nonzero(hit).flatten()
         miss_pos = torch.nonzero(~hit).flatten()
-        hit_slots = slots[hit_pos]
-        self.next_use[hit_slots] = next_use[hit_pos]
-        self.last_use[hit_slots] = t
+        hit_slots = slots[hit]
+        self.next_use.index_copy_(0, hit_slots, next_use[hit])
+        self.last_use.index_fill_(0, hit_slots, t)
         plan = AccessPlan(hit_pos, hit_slots, miss_pos, _EMPTY, _EMPTY, _EMPTY, _EMPTY,
                           torch.empty(0, dtype=torch.bool))
         m = miss_pos.numel()
         if m == 0 or not self.policy.admits:
             return plan
-        miss_next = next_use[miss_pos]
+        miss_next = next_use[~hit]
         if m <= self.capacity - self.filled:
             # Room for every miss: the ranking below would drop only free slots.
             admit_sel = torch.arange(m)
@@ -277,13 +275,13 @@ class SlotDirectory:
         # Drop the m largest keys among residents and misses; doubling the keys and adding 1 to
         # the misses' makes residents win ties, so an equal miss never displaces a resident.
         res_keys = self.policy.keys(self.next_use, self.last_use) * 2
-        res_keys[self.id_of < 0] = _FREE
+        res_keys.masked_fill_(self.id_of < 0, _FREE)
         drop = torch.topk(torch.cat([res_keys, miss_keys * 2 + 1]), m, sorted=False).indices
         freed = drop[drop < self.capacity]
         if freed.numel() == 0:
             return plan
         kept = torch.ones(m, dtype=torch.bool)
-        kept[drop[drop >= self.capacity] - self.capacity] = False
+        kept.index_fill_(0, drop[drop >= self.capacity] - self.capacity, False)
         admit_sel = torch.nonzero(kept).flatten()
         freed, _ = torch.sort(freed)
         self.filled = max(self.filled, int(freed[-1]) + 1)
@@ -292,17 +290,19 @@ class SlotDirectory:
     def _admit(self, plan: AccessPlan, values: torch.Tensor, t: int, admit_sel: torch.Tensor,
                freed: torch.Tensor, miss_next: torch.Tensor) -> AccessPlan:
         """Give ``freed`` slots to the misses at ``admit_sel``, evicting their residents."""
-        old = self.id_of[freed]
+        # index_select/index_copy_ rather than advanced indexing: the latter is far slower on
+        # the CPU when its intra-op threads compete with other work.
+        old = self.id_of.index_select(0, freed)
         occupied = old >= 0
         plan.evict_ids, plan.evict_slots = old[occupied], freed[occupied]
-        plan.evict_dirty = self.dirty[plan.evict_slots].clone()
-        self.slot_of[plan.evict_ids] = -1
-        admit_ids = values[plan.miss_pos[admit_sel]]
-        self.slot_of[admit_ids] = freed.to(torch.int32)
-        self.id_of[freed] = admit_ids
-        self.next_use[freed] = miss_next[admit_sel]
-        self.last_use[freed] = t
-        self.dirty[freed] = False
+        plan.evict_dirty = self.dirty.index_select(0, plan.evict_slots)
+        self.slot_of.index_fill_(0, plan.evict_ids, -1)
+        admit_ids = values.index_select(0, plan.miss_pos.index_select(0, admit_sel))
+        self.slot_of.index_copy_(0, admit_ids, freed.to(torch.int32))
+        self.id_of.index_copy_(0, freed, admit_ids)
+        self.next_use.index_copy_(0, freed, miss_next.index_select(0, admit_sel))
+        self.last_use.index_fill_(0, freed, t)
+        self.dirty.index_fill_(0, freed, False)
         plan.admit_sel, plan.admit_slots = admit_sel, freed
         return plan
 
@@ -311,7 +311,7 @@ def access_counts(stream: Sequence[torch.Tensor], num_rows: int) -> torch.Tensor
     """How many batches of ``stream`` (sorted unique ids per batch) use each row."""
     counts = torch.zeros(num_rows, dtype=torch.int64)
     for values in stream:
-        counts[values] += 1
+        counts.index_add_(0, values, torch.ones_like(values))
     return counts
 
 

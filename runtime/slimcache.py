@@ -212,7 +212,7 @@ class _TableCache:
                 raise CacheError(f"ids of table {self.name!r} must be integers (got dtype "
                                  f"{ids.dtype}); pass int64 row ids")
             values, inverse = torch.unique(ids.cpu().long(), sorted=True, return_inverse=True)
-        values = values.cpu().long()
+        values, inverse = values.cpu().long(), inverse.cpu()
         if values.numel():
             lo, hi = int(values[0]), int(values[-1])
             if lo < -1 or hi >= self.num_rows:
@@ -257,6 +257,9 @@ class SlimCache:
         self.config = config
         _validate_config(config)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise CacheError(f"device {device!r} was asked for but CUDA is not available; pass "
+                             f"device='cpu'")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if not tables:
@@ -436,8 +439,8 @@ class SlimCache:
         c.bytes_h2d += m * table.row_bytes
         c.evictions += plan.evict_ids.numel()
         turn, buf = table.staging.acquire(m)
-        c.staging_seconds += table.gatherer.gather(table.host, real[plan.miss_pos], buf)
-        admit_ids = real[plan.miss_pos[plan.admit_sel]]
+        c.staging_seconds += table.gatherer.gather(table.host, real.index_select(0, plan.miss_pos), buf)
+        admit_ids = real.index_select(0, plan.miss_pos.index_select(0, plan.admit_sel))
         dirty_slots = plan.evict_slots[plan.evict_dirty]
         parts = [inverse.reshape(-1).long(), plan.hit_pos + pad, plan.hit_slots, plan.miss_pos + pad,
                  plan.admit_sel, plan.admit_slots, plan.evict_ids, admit_ids, dirty_slots]
@@ -544,14 +547,14 @@ class SlimCache:
                 raise CacheError(f"ids written to table {table!r} repeat ({ids.numel()} ids, "
                                  f"{torch.unique(ids).numel()} distinct); write each row once per step")
             values = values.to(self.device)
-            slots = t.directory.slot_of[ids].long()
+            slots = t.directory.slot_of.index_select(0, ids).long()
             resident = slots >= 0
             res_pos = torch.nonzero(resident).flatten()
             away_pos = torch.nonzero(~resident).flatten()
             if res_pos.numel():
                 dev_pos, dev_slots = (x.to(self.device) for x in (res_pos, slots[res_pos]))
                 t.slots.index_copy_(0, dev_slots, values.index_select(0, dev_pos))
-                t.directory.dirty[slots[res_pos]] = True
+                t.directory.dirty.index_fill_(0, slots[res_pos], True)
             if away_pos.numel():
                 self._write_host(t, ids[away_pos], values.index_select(0, away_pos.to(self.device)))
                 t.counters.writethroughs += away_pos.numel()
@@ -571,8 +574,8 @@ class SlimCache:
                 if dirty.numel() == 0:
                     continue
                 rows = table.slots.index_select(0, dirty.to(self.device))
-                self._write_host(table, table.directory.id_of[dirty], rows)
-                table.directory.dirty[dirty] = False
+                self._write_host(table, table.directory.id_of.index_select(0, dirty), rows)
+                table.directory.dirty.index_fill_(0, dirty, False)
                 table.counters.writebacks += dirty.numel()
 
     # ---------------------------------------------------------------- introspection

@@ -1,0 +1,308 @@
+"""SlimCache benchmark: bytes host->device per training epoch, hit rate against the Belady optimum.
+
+For TGN's sampling stream (1 layer x 10 most recent neighbors; tables: 172-d edge features and
+100-d read-write node memory) and TGAT's (2 layers x 10 uniform; table: 172-d edge features),
+one training epoch (the chronological 70 % train split, batches of ``--batch-size`` positive
+events, roots = sources, destinations and one random negative destination each) is sampled once
+and replayed through a real :class:`~fastopt.runtime.SlimCache` per policy and budget. Budgets
+are fractions of each table's rows. Reported per table:
+
+* bytes host->device against the naive path (every sampled row, duplicates included) and the
+  dedup-only path (every unique row of a batch, no cache);
+* hit rate over unique rows against the offline Belady optimum of the same stream;
+* for read-write memory, whether the host copy after the epoch equals an all-on-device run;
+* with ``--device cuda``, transfer time per epoch against the naive path.
+
+Usage::
+
+    python bench/slimcache.py --json out.json [--datasets wikipedia ...] [--max-events N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import torch
+
+from fastopt.config import CacheConfig
+from fastopt.data import load_dataset
+from fastopt.runtime import CacheTable, SlimCache, Unique, belady_optimum
+from fastopt.sampling import NumpySampler
+
+DATA = Path("/work/shared/data")
+DATASETS = ["wikipedia", "email-Eu-core-temporal", "sociopatterns-SFHH"]
+BUDGETS = [0.01, 0.05, 0.10, 0.25, 1.00]
+POLICIES = ["static", "lru", "future", "auto"]
+EDGE_DIM, MEMORY_DIM = 172, 100
+STREAMS = {"tgn": ([10], "recent"), "tgat": ([10, 10], "uniform")}
+TARGETS = {"tgn": 15.0, "tgat": 14.0}  # issue 6: x fewer bytes than naive at 10 %, future policy
+
+
+@dataclass
+class EpochStream:
+    """One sampled training epoch: per batch the Unique of each table's ids and the written rows."""
+
+    tables: List[str]
+    batches: List[Dict[str, Unique]] = field(default_factory=list)
+    writes: List[torch.Tensor] = field(default_factory=list)  # memory rows written per batch
+    sample_seconds: float = 0.0
+
+
+def dataset_path(name: str) -> str:
+    hits = sorted(DATA.glob(f"{name}.*"))
+    return str(hits[0]) if hits else name
+
+
+def sample_epoch(graph, stream: str, batch_size: int, max_events: int, seed: int) -> EpochStream:
+    fanouts, strategy = STREAMS[stream]
+    sampler = NumpySampler(graph, fanouts=fanouts, strategy=strategy, seed=seed)
+    rng = np.random.default_rng(seed)
+    pool = graph.destination_pool()
+    end = graph.train_end if max_events <= 0 else min(graph.train_end, max_events)
+    out = EpochStream(["edge_feat", "memory"] if stream == "tgn" else ["edge_feat"])
+    start_time = time.perf_counter()
+    for start in range(0, end, batch_size):
+        stop = min(start + batch_size, end)
+        src, dst, ts = graph.src[start:stop], graph.dst[start:stop], graph.ts[start:stop]
+        neg = rng.choice(pool, stop - start)
+        batch = sampler.sample(np.concatenate([src, dst, neg]), np.concatenate([ts, ts, ts]))
+        # int32 inverses keep a whole epoch in memory; the cache widens them when it packs.
+        item = {"edge_feat": Unique(batch.unique_eids.values, batch.unique_eids.inverse.int())}
+        if stream == "tgn":
+            item["memory"] = Unique(batch.unique_nodes.values, batch.unique_nodes.inverse.int())
+            out.writes.append(torch.unique(torch.from_numpy(np.concatenate([src, dst]))))
+        out.batches.append(item)
+    out.sample_seconds = time.perf_counter() - start_time
+    return out
+
+
+def memory_update(rows: torch.Tensor) -> torch.Tensor:
+    """A stand-in for TGN's GRU: deterministic and elementwise, so both runs compute identical bits."""
+    return torch.tanh(rows * 0.9 + 0.1)
+
+
+def replay(epoch: EpochStream, tables: Dict[str, torch.Tensor], policy: str, fraction: float,
+           device: str, threads: int) -> dict:
+    """One epoch through SlimCache; returns its counters, memory check and wall time."""
+    specs = {name: CacheTable(tables[name], writable=(name == "memory")) for name in epoch.tables}
+    budget = {name: int(fraction * t.numel() * t.element_size()) for name, t in
+              ((n, tables[n]) for n in epoch.tables)}
+    cache = SlimCache(specs, device=device, budget_bytes=budget,
+                      config=CacheConfig(policy=policy, gather_threads=threads))
+    cache.plan([{n: b[n].values for n in epoch.tables} for b in epoch.batches])
+    _sync(device)
+    start = time.perf_counter()
+    pending = cache.stage("edge_feat", unique=epoch.batches[0]["edge_feat"])
+    for i, batch in enumerate(epoch.batches):
+        # The next batch's static features are staged while this one is used (double buffering).
+        ahead = (cache.stage("edge_feat", unique=epoch.batches[i + 1]["edge_feat"])
+                 if i + 1 < len(epoch.batches) else None)
+        cache.finish(pending)
+        pending = ahead
+        if "memory" in batch:
+            memory = cache.lookup("memory", unique=batch["memory"])
+            # The batch's positive endpoints get new memory, computed from what was just read.
+            written = epoch.writes[i]
+            pos = torch.searchsorted(memory.ids, written).to(memory.rows.device)
+            cache.write("memory", written, memory_update(memory.rows[pos]))
+    cache.flush()
+    _sync(device)
+    seconds = time.perf_counter() - start
+    result = {"seconds": seconds, "tables": {}}
+    for name in epoch.tables:
+        result["tables"][name] = dict(cache.counters(name).to_dict(), capacity=cache.capacity(name),
+                                      policy=cache.policy(name))
+    if "memory" in epoch.tables:
+        result["memory_equal"] = bool(torch.equal(cache.host("memory"), tables["memory_reference"]))
+    cache.close()
+    return result
+
+
+def reference_memory(epoch: EpochStream, memory: torch.Tensor) -> torch.Tensor:
+    """The all-on-device run: the same reads and writes on one plain tensor."""
+    ref = memory.clone()
+    for written in epoch.writes:
+        ref[written] = memory_update(ref[written])
+    return ref
+
+
+def naive_transfer_seconds(epoch: EpochStream, tables: Dict[str, torch.Tensor], device: str) -> float:
+    """Time of the naive path on a GPU: gather every sampled row on the host, copy it over."""
+    flat = [{n: b[n].values[b[n].inverse.long().reshape(-1)] for n in epoch.tables}
+            for b in epoch.batches]
+    flat = [{n: ids[ids >= 0] for n, ids in b.items()} for b in flat]
+    most = max(b[n].numel() for b in flat for n in epoch.tables)
+    staging = {n: torch.empty((most,) + tuple(tables[n].shape[1:]), dtype=tables[n].dtype).pin_memory()
+               for n in epoch.tables}
+    start = time.perf_counter()
+    for batch in flat:
+        for name, ids in batch.items():
+            out = staging[name][: ids.numel()]
+            torch.index_select(tables[name], 0, ids, out=out)
+            # Synchronous, as the pinned buffer is refilled by the next batch.
+            out.to(device, non_blocking=False)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def machine() -> dict:
+    info = {"host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "cpus": os.cpu_count(), "processor": platform.processor()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def git_commit() -> str:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "runtime", "bench", "fastopt"],
+                               cwd=root, capture_output=True, text=True).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run(args) -> dict:
+    rows = []
+    report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine(), "commit": git_commit(),
+              "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+              "batch_size": args.batch_size, "torch_threads": torch.get_num_threads(), "max_events": args.max_events, "device": args.device,
+              "edge_dim": EDGE_DIM, "memory_dim": MEMORY_DIM, "results": rows}
+    for name in args.datasets:
+        graph = load_dataset(dataset_path(name), edge_dim=EDGE_DIM, seed=0)
+        tables = {"edge_feat": torch.from_numpy(graph.edge_feat)}
+        memory = torch.randn(graph.num_nodes, MEMORY_DIM, generator=torch.Generator().manual_seed(0))
+        limited = 0 < args.max_events < graph.train_end
+        for stream in args.streams:
+            epoch = sample_epoch(graph, stream, args.batch_size, args.max_events, seed=0)
+            print(f"# {name} {stream}: {len(epoch.batches)} batches sampled in "
+                  f"{epoch.sample_seconds:.1f} s" + (f" (first {args.max_events} events only)"
+                                                     if limited else ""), flush=True)
+            if stream == "tgn":
+                tables["memory"] = memory
+                tables["memory_reference"] = reference_memory(epoch, memory)
+            naive_seconds = (naive_transfer_seconds(epoch, tables, args.device)
+                             if args.device.startswith("cuda") else None)
+            streams = {t: [b[t].values[b[t].values >= 0] for b in epoch.batches] for t in epoch.tables}
+            for fraction in args.budgets:
+                optimum = {}
+                for policy in args.policies:
+                    res = replay(epoch, tables, policy, fraction, args.device, args.threads)
+                    for table, c in res["tables"].items():
+                        if table not in optimum:
+                            optimum[table] = belady_optimum(streams[table], c["capacity"],
+                                                            tables[table].shape[0])
+                        row = {"dataset": name, "stream": stream, "table": table, "budget": fraction,
+                               "policy": policy, "resolved_policy": c["policy"],
+                               "events": min(graph.train_end, args.max_events) if limited else graph.train_end,
+                               "events_limited": limited, "batches": len(epoch.batches),
+                               "bytes_h2d": c["bytes_h2d"], "naive_bytes": c["naive_bytes"],
+                               "dedup_bytes": c["dedup_bytes"],
+                               "x_vs_naive": c["naive_bytes"] / max(1, c["bytes_h2d"]),
+                               "x_dedup_vs_naive": c["naive_bytes"] / max(1, c["dedup_bytes"]),
+                               "hit_rate": c["hit_rate"], "belady_hit_rate": optimum[table].hit_rate,
+                               "belady_x_vs_naive": c["naive_bytes"] / max(1, optimum[table].misses
+                                                                           * c["row_bytes"]),
+                               "counters": c, "epoch_seconds": res["seconds"]}
+                        if table == "memory":
+                            row["memory_equal"] = res["memory_equal"]
+                        if naive_seconds is not None:
+                            row["naive_transfer_seconds"] = naive_seconds
+                        rows.append(row)
+                        print_row(row)
+    report["targets"] = check_targets(rows)
+    return report
+
+
+HEADER = (f"{'dataset':<24}{'stream':<6}{'table':<10}{'budget':>7} {'policy':<14}"
+          f"{'MB h2d':>10}{'x naive':>9}{'x dedup':>9}{'hit %':>7}{'Belady %':>9}{'Belady x':>9}")
+
+
+def print_row(row: dict) -> None:
+    if not getattr(print_row, "started", False):
+        print(HEADER)
+        print_row.started = True
+    policy = row["policy"] if row["policy"] == row["resolved_policy"] else f"auto->{row['resolved_policy']}"
+    extra = ""
+    if "memory_equal" in row:
+        extra += "  write-back equal" if row["memory_equal"] else "  WRITE-BACK MISMATCH"
+    if "naive_transfer_seconds" in row:
+        extra += f"  {row['epoch_seconds']:.2f}s vs naive {row['naive_transfer_seconds']:.2f}s"
+    print(f"{row['dataset']:<24}{row['stream']:<6}{row['table']:<10}{row['budget']:>7.0%} {policy:<14}"
+          f"{row['bytes_h2d'] / 1e6:>10.1f}{row['x_vs_naive']:>9.1f}{row['x_dedup_vs_naive']:>9.1f}"
+          f"{100 * row['hit_rate']:>7.1f}{100 * row['belady_hit_rate']:>9.1f}"
+          f"{row['belady_x_vs_naive']:>9.1f}{extra}", flush=True)
+
+
+def check_targets(rows: List[dict]) -> List[dict]:
+    """Issue 6's done-when figures: wikipedia, 10 % budget, future policy, edge features."""
+    out = []
+    for row in rows:
+        if (row["dataset"] == "wikipedia" and row["table"] == "edge_feat" and row["policy"] == "future"
+                and abs(row["budget"] - 0.10) < 1e-9):
+            gap = 100 * (row["belady_hit_rate"] - row["hit_rate"])
+            ok = row["x_vs_naive"] >= TARGETS[row["stream"]] and gap <= 2.0
+            out.append({"stream": row["stream"], "x_vs_naive": row["x_vs_naive"],
+                        "target_x": TARGETS[row["stream"]], "hit_rate_gap_points": gap, "met": ok})
+            print(f"target {row['stream']}: {row['x_vs_naive']:.1f}x fewer bytes than naive "
+                  f"(need >= {TARGETS[row['stream']]}x), hit rate {gap:.2f} points below Belady "
+                  f"(need <= 2): {'MET' if ok else 'NOT MET'}")
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--datasets", nargs="+", default=DATASETS)
+    parser.add_argument("--streams", nargs="+", default=list(STREAMS), choices=list(STREAMS))
+    parser.add_argument("--budgets", nargs="+", type=float, default=BUDGETS)
+    parser.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES)
+    parser.add_argument("--batch-size", type=int, default=600,
+                        help="positive events per batch (issue 6's figures use 600)")
+    parser.add_argument("--max-events", type=int, default=0,
+                        help="use only the first N training events (0 = the whole train split)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda to also time transfers")
+    parser.add_argument("--threads", type=int, default=2, help="gather threads")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch intra-op threads (0 = torch's default); on a small shared CPU "
+                             "one thread avoids the thread pool's contention")
+    args = parser.parse_args(argv)
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    report = run(args)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
