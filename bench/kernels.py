@@ -40,7 +40,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=100, help="timed runs (median reported)")
     parser.add_argument("--no-flush", action="store_true", help="do not flush L2 between runs")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument("--mappings", nargs="*", default=[], metavar="KNOB=V[,KNOB=V]",
+                        help="also time the fused op under these thread mappings (config.kernels "
+                             "knobs, e.g. rows_per_program=2,num_warps=4)")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the device time of each kernel of the fused forward+backward "
+                             "(torch.profiler) for the first shape, to split host from device time")
     return parser.parse_args(argv)
+
+
+def parse_mapping(text: str) -> Dict[str, int]:
+    """``"rows_per_program=2,num_warps=4"`` -> ``{"rows_per_program": 2, "num_warps": 4}``."""
+    knobs = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        knobs[name.strip()] = int(value)
+    return knobs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,7 +142,7 @@ def make_inputs(rows: int, slots: int, heads: int, dim: int, seed: int = 0):
 
 
 def run_shape(timer: Timer, rows: int, slots: int, heads: int, dim: int, compile_baseline: bool,
-              bandwidth: float) -> Dict[str, object]:
+              bandwidth: float, mappings: List[str] = ()) -> Dict[str, object]:
     import fastopt.config as fconfig
 
     q, k, v, index, mask, table_rows = make_inputs(rows, slots, heads, dim)
@@ -156,6 +171,13 @@ def run_shape(timer: Timer, rows: int, slots: int, heads: int, dim: int, compile
         reference_out = forward(eager_chain)
         fused_out = forward(fused)
         result["max_abs_diff"] = float((reference_out - fused_out).abs().max())
+        result["mappings"] = []
+        for text in mappings:
+            knobs = parse_mapping(text)
+            with fconfig.patch(**{f"kernels__{k}": v for k, v in knobs.items()}):
+                result["mappings"].append(dict(
+                    knobs=knobs, fused_fwd_ms=timer(lambda: forward(fused)),
+                    fused_fwdbwd_ms=timer(lambda: forward_backward(fused))))
     for name, fn in impls.items():
         result[f"{name}_fwd_ms"] = timer(lambda: forward(fn))
         result[f"{name}_fwdbwd_ms"] = timer(lambda: forward_backward(fn))
@@ -172,6 +194,39 @@ def run_shape(timer: Timer, rows: int, slots: int, heads: int, dim: int, compile
         result["speedup_fwd_vs_compile"] = result["compile_fwd_ms"] / result["fused_fwd_ms"]
         result["speedup_fwdbwd_vs_compile"] = result["compile_fwdbwd_ms"] / result["fused_fwdbwd_ms"]
     return result
+
+
+def profile_fused(rows: int, slots: int, heads: int, dim: int, iters: int = 20) -> None:
+    """Device time per kernel of the fused forward+backward against the wall time per call."""
+    import time
+
+    import fastopt.config as fconfig
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, index, mask, _ = make_inputs(rows, slots, heads, dim)
+    grad = torch.randn_like(q)
+    scale = 1.0 / math.sqrt(dim)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        fused(q, k, v, index, mask, scale).backward(grad)
+
+    with fconfig.patch(kernels__check_inputs=False):
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                step()
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3 / iters
+    print(f"profile M={rows} d={dim}: {wall_ms:.4f} ms wall per forward+backward "
+          f"({iters} back to back)")
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14))
 
 
 def git_commit() -> str:
@@ -200,6 +255,11 @@ def print_table(rows: List[Dict[str, object]], bandwidth: float) -> None:
                  100 * r["fused_fwd_fraction_of_copy"]]
         print(" | ".join(f"{c:>12}" if isinstance(c, int) else f"{c:>12.3f}" for c in cells))
     print("times in ms (median, CUDA events); x = speedup of fused; f+b = forward+backward")
+    for r in rows:
+        for entry in r.get("mappings", []):
+            knobs = ",".join(f"{k}={v}" for k, v in entry["knobs"].items())
+            print(f"mapping M={r['M']} d={r['d']} {knobs:>40}: fused fwd {entry['fused_fwd_ms']:.4f}"
+                  f" ms, fused f+b {entry['fused_fwdbwd_ms']:.4f} ms")
 
 
 def main(argv=None) -> int:
@@ -211,9 +271,12 @@ def main(argv=None) -> int:
 
     timer = Timer(args.warmup, args.iters, flush=not args.no_flush)
     bandwidth = copy_bandwidth(timer)
-    results = [run_shape(timer, m, args.slots, args.heads, d, not args.no_compile, bandwidth)
+    results = [run_shape(timer, m, args.slots, args.heads, d, not args.no_compile, bandwidth,
+                         args.mappings)
                for d in args.dims for m in args.rows]
     print_table(results, bandwidth)
+    if args.profile:
+        profile_fused(args.rows[0], args.slots, args.heads, args.dims[0])
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(0),

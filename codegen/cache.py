@@ -16,6 +16,7 @@ Layout: ``<cache_dir>/fo_<family>_<digest16>.py`` (+ ``.json``), the kernel insi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -42,7 +43,9 @@ __all__ = ["CacheKey", "KernelCache", "kernel_cache", "device_identity", "defaul
 KERNEL_NAME_PLACEHOLDER = "fo_kernel_unnamed"
 
 
+@functools.lru_cache(maxsize=None)
 def _version(package: str) -> str:
+    # Cached: reading package metadata scans sys.path (about half a millisecond a call).
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
@@ -53,9 +56,14 @@ def device_identity(device: torch.device) -> Tuple[str, str]:
     """``(name, compute capability)`` of the device a kernel is compiled for."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        major, minor = torch.cuda.get_device_capability(index)
-        return torch.cuda.get_device_name(index), f"{major}.{minor}"
+        return _cuda_identity(index)
     return f"{device.type} (triton interpreter)", "0.0"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_identity(index: int) -> Tuple[str, str]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return torch.cuda.get_device_name(index), f"{major}.{minor}"
 
 
 def default_cache_dir() -> Path:

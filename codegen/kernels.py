@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import jinja2
 import torch
@@ -22,8 +22,9 @@ from torch import Tensor
 
 from fastopt.codegen import reference
 from fastopt.codegen.cache import KERNEL_NAME_PLACEHOLDER, CacheKey, device_identity, kernel_cache
-from fastopt.codegen.kernel_config import KernelConfig, heuristic_config
+from fastopt.codegen.kernel_config import KernelConfig, heuristic_config, next_power_of_2
 from fastopt.config import default_config
+from fastopt.errors import KernelError
 
 __all__ = [
     "attention_forward",
@@ -43,6 +44,7 @@ _TEMPLATES = jinja2.Environment(
     undefined=jinja2.StrictUndefined,
     keep_trailing_newline=True,
 )
+_TEMPLATES.globals["next_power_of_2"] = next_power_of_2
 
 _TL_DTYPES = {
     torch.float16: "tl.float16",
@@ -63,22 +65,49 @@ def render(family: str, **spec) -> str:
         name=KERNEL_NAME_PLACEHOLDER, summary=summary, **spec)
 
 
-def _kernel(family: str, cfg: KernelConfig, device: torch.device, **spec):
-    """The cached kernel of ``family`` for ``spec`` under the thread mapping ``cfg``."""
-    source = render(family, rows=cfg.rows_per_program, block_k=cfg.block_k, block_d=cfg.block_d,
-                    block_h=cfg.heads_per_program, **spec)
-    return kernel_cache().load(CacheKey.build(family, source, cfg, device), source)
+class _Specialized(NamedTuple):
+    """A compiled-on-first-launch kernel and the thread mapping it was generated for."""
+
+    fn: object
+    cfg: KernelConfig
+
+    def launch(self, grid: Tuple[int, int], *args) -> None:
+        if grid[0] == 0:
+            return
+        self.fn[grid](*args, num_warps=self.cfg.num_warps, num_stages=self.cfg.num_stages)
 
 
-def _config(slots: int, heads: int, dim: int, device: torch.device) -> KernelConfig:
-    capability = tuple(int(x) for x in device_identity(device)[1].split("."))
-    return heuristic_config(slots, heads, dim, capability)
+# (family, device, problem, knobs, spec) -> _Specialized. Rendering, hashing and the cache lookup
+# run once per specialization; a warm call only packs arguments and launches.
+_SPECIALIZED: Dict[tuple, _Specialized] = {}
 
 
-def _launch(fn, cfg: KernelConfig, grid: Tuple[int, int], *args) -> None:
-    if grid[0] == 0:
-        return
-    fn[grid](*args, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+def _knobs() -> tuple:
+    knobs = default_config().kernels
+    return (knobs.rows_per_program, knobs.heads_per_program, knobs.block_k, knobs.num_warps,
+            knobs.num_stages, knobs.cache_dir)
+
+
+def _kernel(family: str, device: torch.device, problem: Tuple[int, int, int],
+            derive: Callable[[KernelConfig], dict] = lambda cfg: {}, **spec) -> _Specialized:
+    """The kernel of ``family`` for ``spec`` on a ``(K, H, d)`` problem, memoized per process.
+
+    ``derive`` maps the thread mapping to template variables beyond the common ones (it must
+    depend on nothing but the mapping and ``spec``, which are part of the memo key).
+    """
+    key = (family, device, problem, _knobs(), tuple(sorted(spec.items())))
+    hit = _SPECIALIZED.get(key)
+    if hit is None:
+        cfg = heuristic_config(*problem, _capability(device))
+        source = render(family, rows=cfg.rows_per_program, block_k=cfg.block_k,
+                        block_d=cfg.block_d, block_h=cfg.heads_per_program, **derive(cfg), **spec)
+        fn = kernel_cache().load(CacheKey.build(family, source, cfg, device), source)
+        hit = _SPECIALIZED[key] = _Specialized(fn, cfg)
+    return hit
+
+
+def _capability(device: torch.device) -> Tuple[int, int]:
+    return tuple(int(x) for x in device_identity(device)[1].split("."))
 
 
 def _empty(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -122,6 +151,10 @@ def _attention_spec(q: Tensor, k: Tensor, v: Tensor, mask, indptr, k_index, v_in
                 dropout=dropout_p > 0.0, dropout_bits=reference.DROPOUT_BITS, time_dim=time_dim)
 
 
+def _k_blocks(spec: dict) -> Callable[[KernelConfig], dict]:
+    return lambda cfg: {"k_blocks": -(-spec["K"] // cfg.block_k)}
+
+
 def _time_args(time: Optional[Tuple[Tensor, ...]]) -> Tuple[Tensor, ...]:
     return tuple(time) if time is not None else ()
 
@@ -131,16 +164,15 @@ def _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p
     rows, heads, dim = q.shape
     spec = _attention_spec(q, k, v, mask, indptr, k_index, v_index, dropout_p,
                            time[1].shape[0] if time is not None else 0, "forward")
-    cfg = _config(spec["K"], heads, dim, q.device)
-    spec["k_blocks"] = -(-spec["K"] // cfg.block_k)
-    fn = _kernel("temporal_attention", cfg, q.device, backward_mode="", write_coef=False, **spec)
+    kernel = _kernel("temporal_attention", q.device, (spec["K"], heads, dim), _k_blocks(spec),
+                     backward_mode="", write_coef=False, **spec)
     out = _empty_like(q)
     lse = _empty((rows, heads), _acc_dtype(q.dtype), q.device)
     mask_arg, indptr_arg = _mask_arg(mask, indptr, q)
     threshold, drop_scale = _dropout_args(dropout_p)
-    _launch(fn, cfg, cfg.grid(rows, heads), q, k, v, mask_arg, indptr_arg,
-            k_index if k_index is not None else q, v_index if v_index is not None else q,
-            *_time_args(time), out, lse, rows, scale, seed, threshold, drop_scale)
+    kernel.launch(kernel.cfg.grid(rows, heads), q, k, v, mask_arg, indptr_arg,
+                  k_index if k_index is not None else q, v_index if v_index is not None else q,
+                  *_time_args(time), out, lse, rows, scale, seed, threshold, drop_scale)
     return out, lse
 
 
@@ -152,12 +184,10 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
     spec = _attention_spec(q, k, v, mask, indptr, k_index, v_index, dropout_p,
                            time[1].shape[0] if time is not None else 0, "backward")
     slots = spec["K"]
-    cfg = _config(slots, heads, dim, q.device)
-    spec["k_blocks"] = -(-slots // cfg.block_k)
     indexed = k_index is not None or v_index is not None
     write_coef = time is not None or (indexed and mode == "deterministic")
-    fn = _kernel("temporal_attention", cfg, q.device, backward_mode=mode, write_coef=write_coef,
-                 grad_dtype=spec["dtype"], **spec)
+    kernel = _kernel("temporal_attention", q.device, (slots, heads, dim), _k_blocks(spec),
+                     backward_mode=mode, write_coef=write_coef, grad_dtype=spec["dtype"], **spec)
     acc = _acc_dtype(q.dtype)
     dq = _empty_like(q)
 
@@ -169,23 +199,36 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
         return q  # unused: rows are produced by segment_reduce below
 
     dk, dv = grad_buffer(k, k_index), grad_buffer(v, v_index)
-    coef_shape = (rows, heads, slots) if write_coef else (1,)
-    ds_coef = _empty(coef_shape, acc, q.device)
-    pd_coef = _empty(coef_shape, acc, q.device)
+    if write_coef:
+        ds_coef = _empty((rows, heads, slots), acc, q.device)
+        pd_coef = _empty((rows, heads, slots), acc, q.device)
+    else:
+        ds_coef = pd_coef = q  # unused by a kernel generated without write_coef
     mask_arg, indptr_arg = _mask_arg(mask, indptr, q)
     threshold, drop_scale = _dropout_args(dropout_p)
-    _launch(fn, cfg, cfg.grid(rows, heads), q, k, v, mask_arg, indptr_arg,
-            k_index if k_index is not None else q, v_index if v_index is not None else q,
-            *_time_args(time), out, grad_out, lse, dq, dk, dv, ds_coef, pd_coef, rows, scale,
-            seed, threshold, drop_scale)
-    segments = _Segments()
-    if k_index is not None:
-        dk = (dk.to(k.dtype) if mode == "atomic"
-              else segment_reduce(ds_coef, q, k_index, k.shape[0], k.dtype, segments))
-    if v_index is not None:
-        dv = (dv.to(v.dtype) if mode == "atomic"
-              else segment_reduce(pd_coef, grad_out, v_index, v.shape[0], v.dtype, segments))
+    kernel.launch(kernel.cfg.grid(rows, heads), q, k, v, mask_arg, indptr_arg,
+                  k_index if k_index is not None else q, v_index if v_index is not None else q,
+                  *_time_args(time), out, grad_out, lse, dq, dk, dv, ds_coef, pd_coef, rows,
+                  scale, seed, threshold, drop_scale)
+    if mode == "atomic":
+        dk = dk.to(k.dtype) if k_index is not None else dk
+        dv = dv.to(v.dtype) if v_index is not None else dv
+    elif _same_index(k_index, v_index) and k.shape[0] == v.shape[0] and k.dtype == v.dtype:
+        dk, dv = segment_reduce(((ds_coef, q), (pd_coef, grad_out)), k_index, k.shape[0],
+                                k.dtype)
+    else:
+        segments = _Segments()
+        if k_index is not None:
+            (dk,) = segment_reduce(((ds_coef, q),), k_index, k.shape[0], k.dtype, segments)
+        if v_index is not None:
+            (dv,) = segment_reduce(((pd_coef, grad_out),), v_index, v.shape[0], v.dtype, segments)
     return dq, dk, dv, ds_coef, pd_coef
+
+
+def _same_index(a: Optional[Tensor], b: Optional[Tensor]) -> bool:
+    """Whether two indices are one tensor (the common case: keys and values of one table set)."""
+    return (a is not None and b is not None and a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
 
 
 def attention_forward(q, k, v, mask=None, indptr=None, *, k_index=None, v_index=None, scale,
@@ -249,7 +292,13 @@ def time_encoded_attention_backward(grad_out, q, k, v, dt, time_w, time_b, k_tim
 
 
 class _Segments:
-    """Slots grouped by table row (sorted permutation + CSR offsets), shared by k and v."""
+    """Slots grouped by table row (sorted permutation + CSR offsets), shared by k and v.
+
+    One stable sort of the flattened index (int32 keys when the table allows: half the radix
+    passes of int64) and a ``searchsorted`` of the row ids into the sorted keys give the inverse
+    index as CSR, all on the device and without a host synchronization (``bincount`` on CUDA
+    would read its maximum back to size the result).
+    """
 
     def __init__(self):
         self._cache = {}
@@ -257,40 +306,54 @@ class _Segments:
     def of(self, index: Tensor, table_rows: int) -> Tuple[Tensor, Tensor]:
         key = (index.data_ptr(), tuple(index.shape), table_rows)
         if key not in self._cache:
-            flat = index.reshape(-1).long()
-            perm = torch.sort(flat, stable=True).indices
-            counts = torch.bincount(flat, minlength=table_rows)
-            segptr = torch.zeros(table_rows + 1, device=index.device, dtype=torch.int64)
-            torch.cumsum(counts, 0, out=segptr[1:])
+            flat = index.reshape(-1)
+            key_dtype = torch.int32 if table_rows < 2**31 - 1 else torch.int64
+            sorted_rows, perm = torch.sort(flat.to(key_dtype), stable=True)
+            rows = torch.arange(table_rows + 1, device=index.device, dtype=key_dtype)
+            segptr = torch.searchsorted(sorted_rows, rows)
             self._cache[key] = (perm, segptr)
         return self._cache[key]
 
 
-def segment_reduce(coef: Tensor, x: Tensor, index: Tensor, table_rows: int, dtype: torch.dtype,
-                   segments: Optional[_Segments] = None) -> Tensor:
+def _segment_block(cfg: KernelConfig, heads: int, dim: int) -> dict:
+    # Segments average M*K/U slots (about 3 for SlimCache tables): a short slot block keeps lanes
+    # busy, while the loop still takes any longer segment.
+    lanes = next_power_of_2(cfg.heads_per_program * dim)
+    return {"block_s": max(1, min(8, cfg.block_k, 8192 // lanes))}
+
+
+def segment_reduce(terms: Sequence[Tuple[Tensor, Tensor]], index: Tensor, table_rows: int,
+                   dtype: torch.dtype, segments: Optional[_Segments] = None) -> Tuple[Tensor, ...]:
     """``out[u] = sum over slots (m, j) with index[m, j] == u of coef[m, :, j] * x[m]``.
 
-    Deterministic: each table row sums its slots in sorted order within one program.
+    Deterministic: each table row sums its slots in sorted order within one program. One or two
+    ``(coef, x)`` terms share the index, its sort and one launch.
 
     Args:
-        coef: Per-slot, per-head coefficients ``[M, H, K]``.
-        x: Row vectors ``[M, H, d]``.
+        terms: ``(coef [M, H, K], x [M, H, d])`` pairs: per-slot, per-head coefficients and the
+            row vectors they scale.
         index: Table rows ``[M, K]``.
         table_rows: U.
         dtype: Result dtype.
+        segments: Sorted slots to reuse across calls with the same index.
 
     Returns:
-        ``[U, H, d]``.
+        One ``[U, H, d]`` table per term.
     """
-    rows, heads, dim = x.shape
+    if len(terms) not in (1, 2):
+        raise KernelError(f"segment_reduce takes 1 or 2 (coef, x) terms (got {len(terms)}); "
+                          f"call it once per pair of terms")
+    rows, heads, dim = terms[0][1].shape
     slots = index.shape[1]
     perm, segptr = (segments or _Segments()).of(index, table_rows)
-    cfg = _config(slots, heads, dim, x.device)
-    fn = _kernel("segment_reduce", cfg, x.device, K=slots, H=heads, D=dim,
-                 dtype=_TL_DTYPES[dtype], acc=_TL_DTYPES[coef.dtype], block_s=cfg.block_k)
-    out = _empty((table_rows, heads, dim), dtype, x.device)
-    _launch(fn, cfg, cfg.grid(table_rows, heads), coef, x, perm, segptr, out, table_rows)
-    return out
+    kernel = _kernel("segment_reduce", index.device, (slots, heads, dim),
+                     lambda cfg: _segment_block(cfg, heads, dim), K=slots, H=heads, D=dim,
+                     dtype=_TL_DTYPES[dtype], acc=_TL_DTYPES[terms[0][0].dtype],
+                     pair=len(terms) == 2)
+    outs = tuple(_empty((table_rows, heads, dim), dtype, index.device) for _ in terms)
+    args = [a for (coef, x), out in zip(terms, outs) for a in (coef, x, out)]
+    kernel.launch(kernel.cfg.grid(table_rows, heads), *args, perm, segptr, table_rows)
+    return outs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,15 +363,14 @@ def segment_reduce(coef: Tensor, x: Tensor, index: Tensor, table_rows: int, dtyp
 
 def _aggregate_launch(stage: str, x: Tensor, mask, indptr, index, reduce: str, rows: int,
                       slots: int, features: int, *outputs: Tensor, backward_mode: str = ""):
-    cfg = _config(slots, 1, features, x.device)
-    fn = _kernel("masked_aggregate", cfg, x.device, stage=stage, K=slots, F=features,
-                 k_blocks=-(-slots // cfg.block_k), dtype=_TL_DTYPES[x.dtype],
-                 acc=_TL_DTYPES[_acc_dtype(x.dtype)], mask_form=_mask_form(mask, indptr),
-                 indexed=index is not None, reduce=reduce, backward_mode=backward_mode)
+    kernel = _kernel("masked_aggregate", x.device, (slots, 1, features),
+                     lambda cfg: {"k_blocks": -(-slots // cfg.block_k)}, stage=stage, K=slots,
+                     F=features, dtype=_TL_DTYPES[x.dtype], acc=_TL_DTYPES[_acc_dtype(x.dtype)],
+                     mask_form=_mask_form(mask, indptr), indexed=index is not None,
+                     reduce=reduce, backward_mode=backward_mode)
     mask_arg, indptr_arg = _mask_arg(mask, indptr, x)
-    grid = (cfg.grid(rows, 1)[0], -(-features // cfg.block_d))
-    _launch(fn, cfg, grid, x, mask_arg, indptr_arg, index if index is not None else x, *outputs,
-            rows)
+    grid = (kernel.cfg.grid(rows, 1)[0], -(-features // kernel.cfg.block_d))
+    kernel.launch(grid, x, mask_arg, indptr_arg, index if index is not None else x, *outputs, rows)
 
 
 def _aggregate_shape(x: Tensor, index: Optional[Tensor]) -> Tuple[int, int, Tuple[int, ...]]:
@@ -345,7 +407,8 @@ def aggregate_backward(grad_out: Tensor, x: Tensor, mask=None, indptr=None, *, i
         return dx
     if mode == "atomic":
         return dx.to(x.dtype)
-    table = segment_reduce(coef, grad_out.reshape(rows, 1, features), index, x.shape[0], x.dtype)
+    (table,) = segment_reduce(((coef, grad_out.reshape(rows, 1, features)),), index, x.shape[0],
+                              x.dtype)
     return table.view(x.shape)
 
 
@@ -354,32 +417,33 @@ def aggregate_backward(grad_out: Tensor, x: Tensor, mask=None, indptr=None, *, i
 # ----------------------------------------------------------------------------------------------
 
 
-def _time_encode_kernel(stage: str, dt: Tensor, w: Tensor):
+def _time_encode_kernel(stage: str, dt: Tensor, w: Tensor) -> _Specialized:
     width = w.shape[0]
-    cfg = _config(64, 1, width, dt.device)
-    fn = _kernel("time_encode", cfg, dt.device, stage=stage, T=width, block_n=cfg.block_k,
-                 block_t=cfg.block_d, dtype=_TL_DTYPES[w.dtype], dt_dtype=_TL_DTYPES[dt.dtype],
-                 acc=_TL_DTYPES[_acc_dtype(w.dtype)])
-    return fn, cfg
+    return _kernel("time_encode", dt.device, (64, 1, width),
+                   lambda cfg: {"block_n": cfg.block_k, "block_t": cfg.block_d}, stage=stage,
+                   T=width, dtype=_TL_DTYPES[w.dtype], dt_dtype=_TL_DTYPES[dt.dtype],
+                   acc=_TL_DTYPES[_acc_dtype(w.dtype)])
 
 
 def time_encode_forward(dt: Tensor, w: Tensor, b: Tensor) -> Tensor:
     """Forward kernel of ``fastopt::time_encode``."""
-    fn, cfg = _time_encode_kernel("forward", dt, w)
+    kernel = _time_encode_kernel("forward", dt, w)
     out = _empty((*dt.shape, w.shape[0]), w.dtype, dt.device)
     count = dt.numel()
-    _launch(fn, cfg, (-(-count // cfg.block_k), 1), dt, w, b, out, count)
+    kernel.launch((-(-count // kernel.cfg.block_k), 1), dt, w, b, out, count)
     return out
 
 
 def time_encode_backward(grad_out: Tensor, dt: Tensor, w: Tensor,
                          b: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """Backward kernel of ``fastopt::time_encode``: ``(ddt, dw, db)``, deterministic."""
-    fn, cfg = _time_encode_kernel("backward", dt, w)
+    kernel = _time_encode_kernel("backward", dt, w)
     count = dt.numel()
-    programs = -(-count // cfg.block_k)
+    programs = -(-count // kernel.cfg.block_k)
     ddt = _empty_like(dt)
-    partial = torch.zeros((max(programs, 1), 2, w.shape[0]), device=dt.device,
+    partial = torch.empty((max(programs, 1), 2, w.shape[0]), device=dt.device,
                           dtype=_acc_dtype(w.dtype))
-    _launch(fn, cfg, (programs, 1), dt, w, b, grad_out, ddt, partial, count)
+    if programs == 0:
+        partial.zero_()
+    kernel.launch((programs, 1), dt, w, b, grad_out, ddt, partial, count)
     return ddt, partial[:, 0].sum(0).to(w.dtype), partial[:, 1].sum(0).to(b.dtype)

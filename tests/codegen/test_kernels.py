@@ -213,3 +213,33 @@ def test_gradcheck_through_kernels(device):
 
     with fconfig.patch(kernels__poison_outputs=False):
         assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(kernels__heads_per_program=1),
+    dict(kernels__heads_per_program=2, kernels__rows_per_program=3),
+    dict(kernels__rows_per_program=2, kernels__block_k=4, kernels__num_warps=2),
+], ids=["one-head-per-program", "head-pairs-three-rows", "two-rows-k-blocks-of-4"])
+def test_thread_mappings_agree(knobs, device):
+    """Split heads, several rows per program and several slot blocks give the same results."""
+    case = (7, 10, 4, 50, "mask", "indexed", "indexed", 0.2, "deterministic")
+    tensors, kwargs = _attention_inputs(case, device)
+    kwargs.update(dropout_p=0.2, seed=3)
+    with fconfig.patch(**knobs):
+        _check_against_reference(cg.temporal_attention, reference.temporal_attention, tensors,
+                                 kwargs)
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "atomic"])
+def test_keys_and_values_sharing_one_index(mode, device):
+    """One index for both tables (SlimCache's layout): dk and dv come from one segmented pass."""
+    gen = torch.Generator().manual_seed(6)
+    rows, slots, heads, dim, table_rows = 9, 10, 2, 50, 30
+    q = randn(rows, heads, dim, generator=gen, device=device)
+    k = randn(table_rows, heads, dim, generator=gen, device=device)
+    v = randn(table_rows, heads, dim, generator=gen, device=device)
+    index = table_index(rows, slots, table_rows, gen, device)
+    kwargs = dict(k_index=index, v_index=index, **neighbors(rows, slots, gen, device).form("mask"))
+    with fconfig.patch(kernels__backward_mode=mode):
+        _check_against_reference(cg.temporal_attention, reference.temporal_attention, (q, k, v),
+                                 kwargs)
