@@ -15,10 +15,12 @@ Prints a table and writes JSON with the date, GPU, torch/triton versions, git co
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
 import math
 import os
+import pstats
 import shlex
 import statistics
 import subprocess
@@ -227,6 +229,15 @@ def profile_fused(rows: int, slots: int, heads: int, dim: int, iters: int = 20) 
     print(f"profile M={rows} d={dim}: {wall_ms:.4f} ms wall per forward+backward "
           f"({iters} back to back)")
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14))
+    host = cProfile.Profile()
+    with fconfig.patch(kernels__check_inputs=False):
+        host.enable()
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+        host.disable()
+    print(f"host profile of {iters} fused forward+backward calls (cProfile, by own time):")
+    pstats.Stats(host).sort_stats("tottime").print_stats(22)
 
 
 def git_commit() -> str:

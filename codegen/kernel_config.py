@@ -108,7 +108,7 @@ def heuristic_config(slots: int, heads: int, dim: int, capability: Tuple[int, in
         heads_per_program = 1
     block_k = max(1, min(block_k, MAX_TILE // (heads_per_program * block_d)))
     tile = block_k * heads_per_program * block_d
-    num_warps = max(2, min(8, tile // 256))
+    num_warps = max(2, min(8, tile // 512))
     num_stages = 3 if capability[0] >= 9 else 2
     cfg = KernelConfig(rows_per_program=1, block_k=block_k, block_d=block_d,
                        heads_per_program=heads_per_program, num_warps=num_warps,

@@ -309,10 +309,22 @@ class _Segments:
             flat = index.reshape(-1)
             key_dtype = torch.int32 if table_rows < 2**31 - 1 else torch.int64
             sorted_rows, perm = torch.sort(flat.to(key_dtype), stable=True)
-            rows = torch.arange(table_rows + 1, device=index.device, dtype=key_dtype)
-            segptr = torch.searchsorted(sorted_rows, rows)
+            segptr = torch.searchsorted(sorted_rows, _row_ids(table_rows + 1, index.device,
+                                                              key_dtype))
             self._cache[key] = (perm, segptr)
         return self._cache[key]
+
+
+# 0, 1, 2, ... per (device, dtype), grown on demand: one arange launch saved per backward.
+_ROW_IDS: Dict[tuple, Tensor] = {}
+
+
+def _row_ids(count: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    ids = _ROW_IDS.get((device, dtype))
+    if ids is None or ids.numel() < count:
+        size = max(count, 2 * ids.numel()) if ids is not None else count
+        ids = _ROW_IDS[(device, dtype)] = torch.arange(size, device=device, dtype=dtype)
+    return ids[:count]
 
 
 def _segment_block(cfg: KernelConfig, heads: int, dim: int) -> dict:
