@@ -29,11 +29,7 @@ class JODIE(MemoryModel):
         self.out = nn.Linear(memory_dim, dim)
 
     def updated_memory(self, nodes):
-        mem = self.memory
-        mail, mail_ts = mem.latest_mail(nodes)
-        delta = (mail_ts - mem.last_update[nodes]).float()
-        new = self.rnn(torch.cat([mail, self.mail_time(delta)], dim=1), mem.memory[nodes])
-        return torch.where(mem.pending[nodes].unsqueeze(1), new, mem.memory[nodes])
+        return self.recurrent_update(nodes, self.rnn, self.mail_time)
 
     def embed(self, inputs: GraphInputs):
         roots, times = inputs.nodes[0], inputs.times[0]

@@ -29,7 +29,16 @@ class MemoryModel(TGNNModel):
         self._fresh = None
 
     def updated_memory(self, nodes: torch.Tensor) -> torch.Tensor:
+        """Memory of ``nodes`` as if their pending mail were absorbed (with gradients)."""
         raise NotImplementedError
+
+    def recurrent_update(self, nodes: torch.Tensor, cell: nn.Module, mail_time: nn.Module) -> torch.Tensor:
+        """``cell([mail, enc(t_mail - t_last)], memory)`` where a mail is pending, else the memory."""
+        mem = self.memory
+        mail, mail_ts = mem.latest_mail(nodes)
+        delta = (mail_ts - mem.last_update[nodes]).float()
+        new = cell(torch.cat([mail, mail_time(delta)], dim=1), mem.memory[nodes])
+        return torch.where(mem.pending[nodes].unsqueeze(1), new, mem.memory[nodes])
 
     def root_memory(self, roots: torch.Tensor) -> torch.Tensor:
         """Updated memory of each root; remembers the unique roots' values for :meth:`commit`."""
@@ -70,11 +79,7 @@ class TGN(MemoryModel):
         )
 
     def updated_memory(self, nodes):
-        mem = self.memory
-        mail, mail_ts = mem.latest_mail(nodes)
-        delta = (mail_ts - mem.last_update[nodes]).float()
-        new = self.gru(torch.cat([mail, self.mail_time(delta)], dim=1), mem.memory[nodes])
-        return torch.where(mem.pending[nodes].unsqueeze(1), new, mem.memory[nodes])
+        return self.recurrent_update(nodes, self.gru, self.mail_time)
 
     def node_repr(self, node_feat, memory):
         return memory if self.node_proj is None else memory + self.node_proj(node_feat)
