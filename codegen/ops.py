@@ -11,6 +11,11 @@ backward is itself a custom op, so ``torch.compile``, fx and ``gradcheck`` see a
 ``fastopt::time_encode``               ``cos(dt w + b)`` and its backward
 =====================================  ==========================================================
 
+In eager mode, :func:`temporal_attention` on plain tensors with the Triton backend runs the same
+kernels through an ``autograd.Function`` twin of the op's autograd, skipping the custom-op
+dispatch layers (their host time exceeds the kernels' device time at training batch sizes);
+``torch.compile``, fx/dispatch traces and tensor subclasses get the custom op.
+
 Backend choice (:func:`select_backend`), read from ``config.kernels`` at call time: ``backend =
 "auto"`` runs the generated Triton kernels on CUDA tensors and the references of
 :mod:`fastopt.codegen.reference` on CPU tensors; ``"triton"`` runs the kernels everywhere (on the
@@ -26,6 +31,8 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
+from torch.utils import _python_dispatch
 
 from fastopt.codegen import checks, reference
 from fastopt.config import default_config
@@ -127,6 +134,50 @@ def _attention_grad(ctx, grad_out, _grad_lse):
 _attention.register_autograd(_attention_grad, setup_context=_attention_setup)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """The autograd of ``fastopt::temporal_attention`` without the custom-op dispatch layers.
+
+    Same kernels, same saved tensors, same formula as the registered autograd; used only for
+    plain tensors outside any trace (see :func:`_eager_kernels`), where the op's Python dispatch
+    (autograd wrapper, redispatch, backend wrapper, for the forward and again for the backward)
+    costs more host time than the kernels take on the device. Traces and compiled graphs keep
+    seeing the one custom op.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, indptr, k_index, v_index, scale, dropout_p, seed):
+        out, lse = _kernels().attention_forward(q, k, v, mask, indptr, k_index=k_index,
+                                                v_index=v_index, scale=scale,
+                                                dropout_p=dropout_p, seed=seed)
+        ctx.save_for_backward(q, k, v, out, lse, mask, indptr, k_index, v_index)
+        ctx.hyper = (scale, dropout_p, seed)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, mask, indptr, k_index, v_index = ctx.saved_tensors
+        scale, dropout_p, seed = ctx.hyper
+        dq, dk, dv = _kernels().attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, mask, indptr, k_index=k_index,
+            v_index=v_index, scale=scale, dropout_p=dropout_p, seed=seed)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+
+
+def _eager_kernels(*tensors: Optional[Tensor]) -> bool:
+    """Whether a call may run the kernels directly: eager mode, plain tensors, Triton backend."""
+    if torch.compiler.is_compiling() or _python_dispatch._get_current_dispatch_mode() is not None:
+        return False
+    if torch._C._is_torch_function_mode_enabled():
+        return False
+    if any(t is not None and type(t) not in _PLAIN_TENSORS for t in tensors):
+        return False
+    return select_backend(tensors[0]) == "triton"
+
+
 def temporal_attention(
     q: Tensor,
     k: Tensor,
@@ -162,9 +213,11 @@ def temporal_attention(
         KernelError: on shapes, dtypes, devices or index values that do not fit.
     """
     checks.check_attention(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p, seed)
-    out, _ = torch.ops.fastopt.temporal_attention(
-        q.contiguous(), k.contiguous(), v.contiguous(), mask, indptr, k_index, v_index,
-        _scale(q, scale), float(dropout_p), int(seed))
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), mask, indptr, k_index, v_index,
+            _scale(q, scale), float(dropout_p), int(seed))
+    if _eager_kernels(q, k, v, mask, indptr, k_index, v_index):
+        return _EagerAttention.apply(*args)
+    out, _ = torch.ops.fastopt.temporal_attention(*args)
     return out
 
 
