@@ -64,22 +64,37 @@ cdef extern from *:
     #else
     static int fo_pin_self(int cpu) { (void)cpu; return -1; }
     #endif
-    /* popcnt only where the target has it: elsewhere GCC calls a slow libgcc routine */
-    static inline int fo_popcount(unsigned long long x) {
-    #if defined(__POPCNT__) || defined(__aarch64__)
-        return __builtin_popcountll(x);
-    #else
-        x = x - ((x >> 1) & 0x5555555555555555ULL);
-        x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
-        x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
-        return (int)((x * 0x0101010101010101ULL) >> 56);
-    #endif
-    }
+    #include <stdint.h>
     #define fo_ctz(x) __builtin_ctzll(x)
+    #define fo_prefetch(p) __builtin_prefetch(p)
+    #define fo_popcount(x) __builtin_popcountll(x)
+    /* inv[i] = rank of ids[i] + off among the set bits: the base of its word plus the set bits
+       below it. x86-64 builds without -mpopcnt would call a slow libgcc routine for the popcount,
+       so the loop is compiled twice and the popcnt version picked when the CPU has it. */
+    #define FO_RANK_LOOP                                                            \
+        for (int64_t i = 0; i < n; i++) {                                           \
+            int64_t x = ids[i] + off, w = x >> 6;                                   \
+            inv[i] = base[w] + __builtin_popcountll(bits0[w] & ((1ULL << (x & 63)) - 1)); \
+        }
+    #define FO_RANK_ARGS const int64_t* ids, int64_t n, int64_t off, const uint64_t* bits0, \
+                         const int64_t* base, int64_t* inv
+    #if defined(__x86_64__) && defined(__GNUC__) && !defined(__POPCNT__)
+    __attribute__((target("popcnt"))) static void fo_rank_hw(FO_RANK_ARGS) { FO_RANK_LOOP }
+    static void fo_rank_sw(FO_RANK_ARGS) { FO_RANK_LOOP }
+    static void fo_rank_ids(FO_RANK_ARGS) {
+        if (__builtin_cpu_supports("popcnt")) fo_rank_hw(ids, n, off, bits0, base, inv);
+        else fo_rank_sw(ids, n, off, bits0, base, inv);
+    }
+    #else
+    static void fo_rank_ids(FO_RANK_ARGS) { FO_RANK_LOOP }
+    #endif
     """
     int fo_pin_self(int cpu) noexcept nogil
     int fo_popcount(uint64_t x) noexcept nogil
     int fo_ctz(uint64_t x) noexcept nogil
+    void fo_prefetch(const void* p) noexcept nogil
+    void fo_rank_ids(const int64_t* ids, int64_t n, int64_t off, const uint64_t* bits0,
+                     const int64_t* base, int64_t* inv) noexcept nogil
 
 
 cdef struct Entry:
@@ -92,18 +107,27 @@ cdef struct Entry:
 
 
 cdef struct Bitset:
-    # two-level bitmap over an id range, with a rank base per level-0 word
+    # two-level bitmap over an id range, with a rank base per level-0 word and the list of
+    # level-0 words that became non-zero (what the level-1 bits and the clearing walk)
     uint64_t* bits0
     uint64_t* bits1
     int64_t* base
+    int64_t* touched
     int64_t words1
+    int64_t ntouched
 
 
 cdef struct Seg:
-    # one id array taking part in a dedup task, and where its inverse goes
+    # one id array taking part in a dedup task, and where its inverse goes; a batch-level
+    # segment may instead stand for a layer task's distinct ids (source): its inverse is then a
+    # remap of those ids, gathered through the layer's inverse into ``out``
     const int64_t* ids
     int64_t* inv
     int64_t n
+    const Task* source
+    const int64_t* source_inv
+    int64_t nsource
+    int64_t* out
 
 
 cdef struct Task:
@@ -138,6 +162,10 @@ cdef struct Layer:
     float* dt
     uint8_t* mask
     int64_t* out_indptr
+
+
+cdef enum:
+    PREFETCH = 8  # rows ahead whose first T-CSR access is prefetched
 
 
 cdef inline uint64_t _mix(uint64_t z) noexcept nogil:
@@ -189,6 +217,9 @@ cdef inline int _sample_row(const Layer* c, int64_t i) noexcept nogil:
     cdef uint64_t x
     cdef const Entry* e
     cdef bint live = 1
+    if c.hint != NULL and i + PREFETCH < c.m and c.valid[i + PREFETCH]:
+        # the twin entry a later row starts from: its cache miss overlaps this row's work
+        fo_prefetch(&c.edges[c.hint[i + PREFETCH] - 1])
     if c.valid == NULL:
         if v < 0 or v >= c.num_nodes or not (t - t == 0.0):
             live = 0
@@ -257,33 +288,41 @@ cdef void _bitset_init(Bitset* b, int64_t id_range) noexcept nogil:
     b.bits0 = <uint64_t*>calloc(words0, sizeof(uint64_t))
     b.bits1 = <uint64_t*>calloc(b.words1, sizeof(uint64_t))
     b.base = <int64_t*>malloc(words0 * sizeof(int64_t))
+    b.touched = <int64_t*>malloc(words0 * sizeof(int64_t))
 
 
 cdef void _bitset_free(Bitset* b) noexcept nogil:
     free(b.bits0)
     free(b.bits1)
     free(b.base)
+    free(b.touched)
 
 
 cdef void _mark(Task* t, const Seg* segs) noexcept nogil:
-    """Set the bit of every id of the task's segments (no branches); count the distinct ids."""
+    """Set the bit of every id of the task's segments; count the distinct ids.
+
+    The loop has no branch and one read-modify-write: a word that turns non-zero is appended to
+    the touched list (written always, kept when it was zero), whose words set the level-1 bits.
+    """
     cdef uint64_t* bits0 = t.bits.bits0
-    cdef uint64_t* bits1 = t.bits.bits1
-    cdef int64_t s, i, x, w, w1, count = 0
-    cdef uint64_t m1
+    cdef int64_t* touched = t.bits.touched
+    cdef int64_t s, i, x, w, nt = 0, count = 0
+    cdef uint64_t old
     cdef const int64_t* ids
     for s in range(t.first, t.first + t.nseg):
         ids = segs[s].ids
         for i in range(segs[s].n):
             x = ids[i] + t.offset
             w = x >> 6
-            bits0[w] |= (<uint64_t>1) << (x & 63)
-            bits1[w >> 6] |= (<uint64_t>1) << (w & 63)
-    for w1 in range(t.bits.words1):
-        m1 = bits1[w1]
-        while m1:
-            count += fo_popcount(bits0[(w1 << 6) | fo_ctz(m1)])
-            m1 &= m1 - 1
+            old = bits0[w]
+            bits0[w] = old | ((<uint64_t>1) << (x & 63))
+            touched[nt] = w
+            nt += old == 0
+    for i in range(nt):
+        w = touched[i]
+        t.bits.bits1[w >> 6] |= (<uint64_t>1) << (w & 63)
+        count += fo_popcount(bits0[w])
+    t.bits.ntouched = nt
     t.count = count
 
 
@@ -292,10 +331,8 @@ cdef void _rank(Task* t, const Seg* segs) noexcept nogil:
     cdef uint64_t* bits0 = t.bits.bits0
     cdef uint64_t* bits1 = t.bits.bits1
     cdef int64_t* base = t.bits.base
-    cdef int64_t s, i, x, w, w1, u = 0
+    cdef int64_t s, i, w, w1, u = 0
     cdef uint64_t m1, m0
-    cdef const int64_t* ids
-    cdef int64_t* inv
     for w1 in range(t.bits.words1):
         m1 = bits1[w1]
         while m1:
@@ -308,18 +345,30 @@ cdef void _rank(Task* t, const Seg* segs) noexcept nogil:
                 u += 1
                 m0 &= m0 - 1
     for s in range(t.first, t.first + t.nseg):
-        ids = segs[s].ids
-        inv = segs[s].inv
-        for i in range(segs[s].n):
-            x = ids[i] + t.offset
-            w = x >> 6
-            inv[i] = base[w] + fo_popcount(bits0[w] & (((<uint64_t>1) << (x & 63)) - 1))
-    for w1 in range(t.bits.words1):
-        m1 = bits1[w1]
-        while m1:
-            bits0[(w1 << 6) | fo_ctz(m1)] = 0
-            m1 &= m1 - 1
-        bits1[w1] = 0
+        fo_rank_ids(segs[s].ids, segs[s].n, t.offset, bits0, base, segs[s].inv)
+    for i in range(t.bits.ntouched):
+        w = t.bits.touched[i]
+        bits0[w] = 0
+        bits1[w >> 6] = 0
+
+
+cdef void _dedup_task(Task* t, Seg* segs) noexcept nogil:
+    """Unique ids and inverse of one task (a layer task's results must be complete if it is a
+    source of this one)."""
+    cdef int64_t s, i
+    cdef Seg* g
+    for s in range(t.first, t.first + t.nseg):
+        g = &segs[s]
+        if g.source != NULL:
+            g.ids = g.source.values
+            g.n = g.source.count
+    _mark(t, segs)
+    _rank(t, segs)
+    for s in range(t.first, t.first + t.nseg):
+        g = &segs[s]
+        if g.source != NULL:
+            for i in range(g.nsource):
+                g.out[i] = g.inv[g.source_inv[i]]
 
 
 cdef inline void* _ptr(tensor):
@@ -566,10 +615,14 @@ cdef class TemporalSampler:
             self.placement.reason = "the OS refused to pin threads; left them unpinned"
 
     cdef _sample(self, roots, times):
-        cdef int L = self._num_layers, l, nth = self._nthreads
-        cdef int64_t m = roots.shape[0], i, err = 0, k
+        """Every layer and every dedup of one batch, in one section without the GIL (so the
+        OpenMP threads go from one parallel loop to the next without waiting on Python)."""
+        cdef int L = self._num_layers, l, nth = self._nthreads, nt = 0, ti
+        cdef int64_t m = roots.shape[0], i, err = 0, k, total = 0
         cdef Layer* layers = <Layer*>calloc(L, sizeof(Layer))
         cdef int64_t** hints = <int64_t**>calloc(L, sizeof(int64_t*))
+        cdef Task* tasks = NULL
+        cdef Seg* segs = NULL
         cdef Layer* c
         cdef uint64_t key = _mix(self._key ^ _mix(self._epoch * <uint64_t>0x9E3779B97F4A7C15ULL
                                                   + self._batch))
@@ -612,7 +665,13 @@ cdef class TemporalSampler:
                 c.out_indptr = <int64_t*>_ptr(indptr)
                 blocks.append(TemporalBlock(dst, dst_t, nbr, eid, nts, dt, mask, indptr))
                 dst, dst_t, valid = nbr.view(-1), nts.view(-1), mask.view(-1)
+                total += m * k
                 m *= k
+            if self.dedup:
+                nt = self._num_tasks()
+                tasks = <Task*>calloc(nt, sizeof(Task))
+                segs = <Seg*>calloc(4 * L + 1, sizeof(Seg))
+                outputs = self._plan_dedup(roots, blocks, tasks, segs)
             with nogil:
                 for l in range(L):
                     c = &layers[l]
@@ -624,84 +683,92 @@ cdef class TemporalSampler:
                     c.out_indptr[0] = 0
                     for i in range(c.m):
                         c.out_indptr[i + 1] += c.out_indptr[i]
+                if not err and nt:
+                    for ti in prange(2 * L, schedule="dynamic", chunksize=1, num_threads=nth,
+                                     use_threads_if=total >= 4096):
+                        _dedup_task(&tasks[ti], segs)
+                    for ti in prange(2 * L, nt, schedule="dynamic", chunksize=1, num_threads=nth,
+                                     use_threads_if=total >= 4096):
+                        _dedup_task(&tasks[ti], segs)
+            if err:
+                return None
+            batch = SampledBatch(roots, times, blocks)
+            if nt:
+                self._attach_dedup(batch, tasks, outputs)
+            return batch
         finally:
             for l in range(L):
                 free(hints[l])
             free(hints)
             free(layers)
-        if err:
-            return None
-        batch = SampledBatch(roots, times, blocks)
-        if self.dedup:
-            batch.unique_nodes, batch.unique_eids = self._dedup(roots, blocks)
-        return batch
-
-    cdef tuple _dedup(self, roots, list blocks):
-        """Fill ``unique_nodes``/``unique_eids`` of every block and of the batch."""
-        cdef int L = self._num_layers, l, nt = self._num_tasks(), nth = self._nthreads, ti
-        cdef int64_t n, off, total
-        cdef Task* tasks = <Task*>calloc(nt, sizeof(Task))
-        cdef Seg* segs = <Seg*>malloc((3 * L + 1 + L) * sizeof(Seg))
-        cdef int s = 0
-        # segments: layer l's nodes, layer l's edges, then the batch's roots + nodes, batch edges
-        total = roots.shape[0] + sum(b.nbr_nodes.numel() for b in blocks)
-        batch_nodes_inv = torch.empty(total, dtype=torch.int64)
-        inverses = []
-        try:
-            for l in range(L):
-                b = blocks[l]
-                inverses.append((torch.empty_like(b.nbr_nodes), torch.empty_like(b.nbr_eids)))
-            for ti in range(nt):
-                tasks[ti].bits = &self._bitsets[ti]
-                tasks[ti].offset = 0 if self._is_node_task(ti) else 1
-                tasks[ti].first = s
-                if ti < 2 * L:
-                    l = ti % L
-                    b = blocks[l]
-                    ids = b.nbr_nodes if ti < L else b.nbr_eids
-                    segs[s].ids = <int64_t*>_ptr(ids)
-                    segs[s].inv = <int64_t*>_ptr(inverses[l][ti >= L])
-                    segs[s].n = ids.numel()
-                    s += 1
-                else:
-                    node_task = ti == 2 * L
-                    off = 0
-                    if node_task:
-                        segs[s].ids = <int64_t*>_ptr(roots)
-                        segs[s].inv = <int64_t*>_ptr(batch_nodes_inv)
-                        segs[s].n = roots.shape[0]
-                        off = segs[s].n
-                        s += 1
-                    else:
-                        batch_eids_inv = torch.empty(total - roots.shape[0], dtype=torch.int64)
-                    for l in range(L):
-                        ids = blocks[l].nbr_nodes if node_task else blocks[l].nbr_eids
-                        n = ids.numel()
-                        segs[s].ids = <int64_t*>_ptr(ids)
-                        segs[s].inv = (<int64_t*>_ptr(batch_nodes_inv if node_task else batch_eids_inv)) + off
-                        segs[s].n = n
-                        off += n
-                        s += 1
-                tasks[ti].nseg = s - tasks[ti].first
-            for ti in prange(nt, nogil=True, schedule="dynamic", chunksize=1, num_threads=nth,
-                             use_threads_if=total >= 4096):
-                _mark(&tasks[ti], segs)
-            values = []
-            for ti in range(nt):
-                values.append(torch.empty(tasks[ti].count, dtype=torch.int64))
-                tasks[ti].values = <int64_t*>_ptr(values[ti])
-            for ti in prange(nt, nogil=True, schedule="dynamic", chunksize=1, num_threads=nth,
-                             use_threads_if=total >= 4096):
-                _rank(&tasks[ti], segs)
-        finally:
             free(tasks)
             free(segs)
+
+    cdef tuple _plan_dedup(self, roots, list blocks, Task* tasks, Seg* segs):
+        """Point the dedup tasks at their id arrays; allocate their inverses and value buffers.
+
+        Tasks: layer l's nodes (l < L), layer l's edges (L + l), the batch's nodes (2L: the
+        roots and every layer's distinct nodes) and edges (2L + 1, with 2+ layers; with one
+        layer they are layer 0's). The batch tasks run after the layer tasks and mark only the
+        layers' distinct ids, then gather their inverses through the layers' ones. A value
+        buffer holds as many ids as the task could find distinct; the returned values are a
+        view of its first ``count``.
+        """
+        cdef int L = self._num_layers, nt = self._num_tasks(), l, ti, s = 0, src
+        cdef int64_t off, cap
+        nbatch = roots.shape[0] + sum(b.nbr_nodes.numel() for b in blocks)
+        inverses = [torch.empty_like(b.nbr_nodes) for b in blocks] + [torch.empty_like(b.nbr_eids) for b in blocks]
+        inverses.append(torch.empty(nbatch, dtype=torch.int64))
+        if L > 1:
+            inverses.append(torch.empty(nbatch - roots.shape[0], dtype=torch.int64))
+        values, remaps = [], []
+        for ti in range(nt):
+            node_task = self._is_node_task(ti)
+            tasks[ti].bits = &self._bitsets[ti]
+            tasks[ti].offset = 0 if node_task else 1
+            tasks[ti].first = s
+            cap = 0
+            if ti < 2 * L:
+                ids = blocks[ti % L].nbr_nodes if node_task else blocks[ti % L].nbr_eids
+                segs[s].ids = <int64_t*>_ptr(ids)
+                segs[s].inv = <int64_t*>_ptr(inverses[ti])
+                segs[s].n = cap = ids.numel()
+                s += 1
+            else:
+                off = 0
+                if node_task:
+                    segs[s].ids = <int64_t*>_ptr(roots)
+                    segs[s].inv = <int64_t*>_ptr(inverses[ti])
+                    segs[s].n = off = cap = roots.shape[0]
+                    s += 1
+                for l in range(L):
+                    src = l if node_task else L + l
+                    remap = torch.empty(values[src].shape[0], dtype=torch.int64)
+                    remaps.append(remap)
+                    segs[s].source = &tasks[src]
+                    segs[s].source_inv = <int64_t*>_ptr(inverses[src])
+                    segs[s].nsource = inverses[src].numel()
+                    segs[s].inv = <int64_t*>_ptr(remap)
+                    segs[s].out = <int64_t*>_ptr(inverses[ti]) + off
+                    off += segs[s].nsource
+                    cap += values[src].shape[0]
+                    s += 1
+            tasks[ti].nseg = s - tasks[ti].first
+            values.append(torch.empty(min(cap, self._num_nodes if node_task else self._num_edges + 1),
+                                      dtype=torch.int64))
+            tasks[ti].values = <int64_t*>_ptr(values[ti])
+        return inverses, values, remaps
+
+    cdef _attach_dedup(self, batch, Task* tasks, tuple outputs):
+        """Wrap the dedup results of :meth:`_plan_dedup`'s tasks as :class:`Unique` fields."""
+        cdef int L = self._num_layers, l
+        inverses, values, _ = outputs
+        uniques = [Unique(values[ti][:tasks[ti].count], inverses[ti]) for ti in range(len(values))]
         for l in range(L):
-            blocks[l].unique_nodes = Unique(values[l], inverses[l][0])
-            blocks[l].unique_eids = Unique(values[L + l], inverses[l][1])
-        batch_eids = (Unique(values[2 * L + 1], batch_eids_inv) if L > 1 else
-                      Unique(values[L], inverses[0][1].view(-1)))
-        return Unique(values[2 * L], batch_nodes_inv), batch_eids
+            batch.blocks[l].unique_nodes = uniques[l]
+            batch.blocks[l].unique_eids = uniques[L + l]
+        batch.unique_nodes = uniques[2 * L]
+        batch.unique_eids = uniques[2 * L + 1] if L > 1 else Unique(uniques[L].values, inverses[L].view(-1))
 
 
 def _graph_arrays(graph, limit):

@@ -1,0 +1,153 @@
+"""Temporal sampler benchmark: roots/s and epoch sampling time, Cython sampler vs the NumPy oracle.
+
+Settings: TGN's (1 layer x 10 most recent) and TGAT's (2 layers x 10 uniform). One epoch walks
+the whole event stream in chronological batches of ``--batch`` events; the roots of a batch are
+its sources, its destinations and one negative destination per event drawn uniformly from the
+destination pool with a fixed seed (3 x batch roots, drawn before timing). Every batch is
+sampled to completion: all layers, the returned torch tensors and, with dedup, the unique node
+and edge ids with inverse indices. The time pointers are reset at the start of every epoch. The
+figure kept per configuration is the best of ``--repeats`` epochs (other work on the machine only
+ever slows a run down). The NumPy oracle is measured in the same run on the first
+``--oracle-batches`` batches of the epoch, and its epoch time is extrapolated from them.
+
+Usage::
+
+    python bench/sampler.py --json out.json [--datasets wikipedia ...] [--threads 1 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fastopt.data import load_dataset
+from fastopt.runtime import OPENMP, TemporalSampler
+from fastopt.sampling import NumpySampler
+
+REPO = Path(__file__).resolve().parents[1]
+DATASETS = {"wikipedia": "wikipedia.csv.gz", "email-Eu-core-temporal": "email-Eu-core-temporal.txt.gz",
+            "sociopatterns-SFHH": "sociopatterns-SFHH.txt.gz"}
+SETTINGS = {"tgn": ([10], "recent"), "tgat": ([10, 10], "uniform")}
+TARGETS = {"tgn": 4.4e6, "tgat": 0.40e6}  # issue 3: roots/s on wikipedia with 2 threads
+
+
+def epoch_batches(graph, batch: int, seed: int):
+    """Roots and times of every batch of one chronological epoch (sources, destinations, negatives)."""
+    rng = np.random.default_rng(seed)
+    pool = graph.destination_pool()
+    out = []
+    for start in range(0, graph.num_events, batch):
+        e = slice(start, min(start + batch, graph.num_events))
+        n = e.stop - e.start
+        out.append((np.concatenate([graph.src[e], graph.dst[e], rng.choice(pool, n)]),
+                    np.concatenate([graph.ts[e]] * 3)))
+    return out
+
+
+def time_epochs(sampler, batches, repeats: int) -> float:
+    """Best wall time of ``repeats`` epochs over ``batches``."""
+    best = float("inf")
+    for _ in range(repeats):
+        sampler.reset()
+        start = time.perf_counter()
+        for roots, times in batches:
+            sampler.sample(roots, times)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def environment() -> dict:
+    """Date, machine, load, versions and commit of this run."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    models = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
+    git = ["git", "-C", str(REPO)]
+    commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(git + ["status", "--porcelain", "--", "runtime", "bench/sampler.py"],
+                           capture_output=True, text=True).stdout.strip()
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": {"cpu_model": models[0] if models else platform.processor(),
+                    "logical_cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
+                    "load_average_at_start": list(os.getloadavg()), "host": platform.node()},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "numpy": np.__version__, "openmp": bool(OPENMP)},
+        "commit": (commit or "unknown") + ("+dirty" if dirty else ""),
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+    }
+
+
+def run(args) -> dict:
+    report = environment()
+    report.update(batch_events=args.batch, repeats=args.repeats, seed=args.seed, results=[])
+    for name in args.datasets:
+        path = Path(args.data_dir) / DATASETS[name]
+        graph = load_dataset(path if path.exists() else name)
+        batches = epoch_batches(graph, args.batch, args.seed)
+        roots = sum(r.shape[0] for r, _ in batches)
+        for setting, (fanouts, strategy) in SETTINGS.items():
+            rows = []
+            oracle = NumpySampler(graph, fanouts, strategy, seed=args.seed)
+            head = batches[: args.oracle_batches]
+            seconds = time_epochs(oracle, head, 1) * len(batches) / len(head)
+            rows.append(dict(sampler="numpy-oracle", threads=1, dedup=True, epoch_s=seconds))
+            for threads in args.threads:
+                for dedup in (True, False):
+                    fast = TemporalSampler(graph, fanouts, strategy, threads=threads, seed=args.seed,
+                                           reorder=args.reorder, pin_threads=args.pin, dedup=dedup)
+                    rows.append(dict(sampler="cython", threads=threads, dedup=dedup,
+                                     epoch_s=time_epochs(fast, batches, args.repeats),
+                                     placement=None if fast.placement is None else fast.placement.reason))
+            for row in rows:
+                row.update(dataset=name, setting=setting, fanouts=fanouts, strategy=strategy,
+                           batches=len(batches), roots=roots, roots_per_s=roots / row["epoch_s"])
+                if name == "wikipedia" and row["sampler"] == "cython" and row["threads"] == 2:
+                    row["target_roots_per_s"] = TARGETS[setting]
+                report["results"].append(row)
+                print_row(row)
+    report["machine"]["load_average_at_end"] = list(os.getloadavg())
+    return report
+
+
+def print_row(row: dict) -> None:
+    if not getattr(print_row, "header", False):
+        print(f"{'dataset':<24}{'setting':<7}{'sampler':<14}{'thr':>4}{'dedup':>7}"
+              f"{'M roots/s':>11}{'epoch s':>10}{'target':>9}")
+        print_row.header = True
+    target = row.get("target_roots_per_s")
+    print(f"{row['dataset']:<24}{row['setting']:<7}{row['sampler']:<14}{row['threads']:>4}"
+          f"{'yes' if row['dedup'] else 'no':>7}{row['roots_per_s'] / 1e6:>11.3f}{row['epoch_s']:>10.3f}"
+          f"{'' if target is None else f'{target / 1e6:.2f}':>9}", flush=True)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
+    parser.add_argument("--data-dir", default=os.environ.get("FASTOPT_SHARED_DATA", str(REPO.parent / "shared" / "data")))
+    parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--batch", type=int, default=600, help="events per batch (roots = 3x)")
+    parser.add_argument("--repeats", type=int, default=5, help="epochs per configuration; the best counts")
+    parser.add_argument("--oracle-batches", type=int, default=40, help="batches the NumPy oracle samples")
+    parser.add_argument("--reorder", default="none", choices=["none", "degree", "rcm"])
+    parser.add_argument("--pin", action="store_true", help="pin sampler threads (pin_threads=True)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    report = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
