@@ -7,8 +7,8 @@ destination pool with a fixed seed (3 x batch roots, drawn before timing). Every
 sampled to completion: all layers, the returned torch tensors and, with dedup, the unique node
 and edge ids with inverse indices. The time pointers are reset at the start of every epoch. The
 figure kept per configuration is the best of ``--repeats`` epochs (other work on the machine only
-ever slows a run down). The NumPy oracle is measured in the same run on the first
-``--oracle-batches`` batches of the epoch, and its epoch time is extrapolated from them.
+ever slows a run down). The NumPy oracle is measured in the same run on ``--oracle-batches``
+batches spread evenly over the epoch, and its epoch time is extrapolated from them.
 
 Usage::
 
@@ -40,6 +40,8 @@ DATASETS = {"wikipedia": "wikipedia.csv.gz", "email-Eu-core-temporal": "email-Eu
             "sociopatterns-SFHH": "sociopatterns-SFHH.txt.gz"}
 SETTINGS = {"tgn": ([10], "recent"), "tgat": ([10, 10], "uniform")}
 TARGETS = {"tgn": 4.4e6, "tgat": 0.40e6}  # issue 3: roots/s on wikipedia with 2 threads
+# read by libgomp when torch loads it: recorded with the results and in the command line
+OPENMP_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "OMP_PROC_BIND")
 
 
 def epoch_batches(graph, batch: int, seed: int):
@@ -83,7 +85,9 @@ def environment() -> dict:
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "numpy": np.__version__, "openmp": bool(OPENMP)},
         "commit": (commit or "unknown") + ("+dirty" if dirty else ""),
-        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "openmp_env": {k: os.environ[k] for k in OPENMP_ENV if k in os.environ},
+        "command": " ".join([f"{k}={shlex.quote(os.environ[k])}" for k in OPENMP_ENV if k in os.environ]
+                            + ["python"] + [shlex.quote(a) for a in sys.argv]),
     }
 
 
@@ -98,8 +102,8 @@ def run(args) -> dict:
         for setting, (fanouts, strategy) in SETTINGS.items():
             rows = []
             oracle = NumpySampler(graph, fanouts, strategy, seed=args.seed)
-            head = batches[: args.oracle_batches]
-            seconds = time_epochs(oracle, head, 1) * len(batches) / len(head)
+            spread = batches[:: max(1, len(batches) // args.oracle_batches)]  # early and late ones
+            seconds = time_epochs(oracle, spread, 1) * len(batches) / len(spread)
             rows.append(dict(sampler="numpy-oracle", threads=1, dedup=True, epoch_s=seconds))
             for threads in args.threads:
                 for dedup in (True, False):
@@ -138,7 +142,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--batch", type=int, default=600, help="events per batch (roots = 3x)")
     parser.add_argument("--repeats", type=int, default=5, help="epochs per configuration; the best counts")
-    parser.add_argument("--oracle-batches", type=int, default=40, help="batches the NumPy oracle samples")
+    parser.add_argument("--oracle-batches", type=int, default=40,
+                        help="batches the NumPy oracle samples, spread over the epoch")
     parser.add_argument("--reorder", default="none", choices=["none", "degree", "rcm"])
     parser.add_argument("--pin", action="store_true", help="pin sampler threads (pin_threads=True)")
     parser.add_argument("--seed", type=int, default=0)

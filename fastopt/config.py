@@ -47,6 +47,8 @@ class SamplerConfig:
     pin_threads: bool = False
     # treat every event as two directed edges (src->dst and dst->src)
     undirected: bool = True
+    # compute within-batch unique node/edge ids with inverse indices in the sampler (for SlimCache)
+    dedup: bool = True
 
 
 @dataclass

@@ -166,6 +166,7 @@ cdef struct Layer:
 
 cdef enum:
     PREFETCH = 8  # rows ahead whose first T-CSR access is prefetched
+    MAX_PREFETCH = 64  # uniform slots of a row drawn and prefetched before they are read
 
 
 cdef inline uint64_t _mix(uint64_t z) noexcept nogil:
@@ -214,7 +215,8 @@ cdef inline int _sample_row(const Layer* c, int64_t i) noexcept nogil:
     """Fill row ``i`` of layer ``c``; return 1 when its root is out of range or not finite."""
     cdef int64_t k = c.k, o = i * c.k, v = c.dst[i], n = 0, j, start, stop, end, p, avail, row, pos
     cdef double t = c.dst_t[i]
-    cdef uint64_t x
+    cdef uint64_t x = 0
+    cdef int64_t drawn[MAX_PREFETCH]
     cdef const Entry* e
     cdef bint live = 1
     if c.hint != NULL and i + PREFETCH < c.m and c.valid[i + PREFETCH]:
@@ -243,12 +245,22 @@ cdef inline int _sample_row(const Layer* c, int64_t i) noexcept nogil:
             end = _lower(c.edges, start, stop, t)
         avail = end - start
         n = avail if avail < k else k
-        x = _mix(c.key ^ (<uint64_t>i * <uint64_t>0xD1B54A32D192ED03ULL))
+        if c.uniform and avail > k:
+            # draw every slot first and prefetch its entry: the k cache misses of a long row
+            # then overlap instead of following one another
+            x = _mix(c.key ^ (<uint64_t>i * <uint64_t>0xD1B54A32D192ED03ULL))
+            for j in range(n if n <= MAX_PREFETCH else 0):
+                pos = <int64_t>((_mix(x + <uint64_t>(j + 1) * <uint64_t>0x9E3779B97F4A7C15ULL) >> 11)
+                                * (1.0 / 9007199254740992.0) * avail)
+                drawn[j] = start + (pos if pos < avail else avail - 1)
+                fo_prefetch(&c.edges[drawn[j]])
         for j in range(n):
             if not c.uniform:
                 e = &c.edges[end - 1 - j]
             elif avail <= k:
                 e = &c.edges[start + j]
+            elif j < MAX_PREFETCH:
+                e = &c.edges[drawn[j]]
             else:
                 pos = <int64_t>((_mix(x + <uint64_t>(j + 1) * <uint64_t>0x9E3779B97F4A7C15ULL) >> 11)
                                 * (1.0 / 9007199254740992.0) * avail)
@@ -400,11 +412,17 @@ cdef class TemporalSampler:
             the outputs are always the original ones.
         pin_threads: pin threads to CPUs sharing a cache, paired by root-chunk overlap (default:
             the config's); :attr:`placement` says what was done and why.
-        dedup: fill the ``unique_nodes``/``unique_eids`` fields of every block and of the batch.
+        dedup: fill the ``unique_nodes``/``unique_eids`` fields of every block and of the batch
+            (default: the config's).
         limit: use only events ``[0, limit)`` (e.g. ``graph.train_end``); default all.
 
     Call :meth:`reset` at the start of every epoch: it rewinds the per-node time pointers and
     advances the epoch of the random draws. Not reentrant: concurrent calls are serialized.
+
+    The threads are those of the libgomp that torch loads, which reads ``OMP_WAIT_POLICY`` when
+    torch is imported. On cores shared with other busy processes start Python with
+    ``OMP_WAIT_POLICY=passive``: libgomp's default spin-waiting between parallel loops then
+    starves the very thread it waits for.
     """
 
     cdef Entry* _edges  # T-CSR entries, row by row, each row in time order
@@ -458,7 +476,7 @@ cdef class TemporalSampler:
         free(self._cpus)
 
     def __init__(self, graph, fanouts=(10, 10), strategy="recent", threads=None, seed=0,
-                 undirected=None, reorder=None, pin_threads=None, dedup=True, limit=None):
+                 undirected=None, reorder=None, pin_threads=None, dedup=None, limit=None):
         cfg = default_config().sampler
         self.fanouts = check_fanouts(fanouts, strategy)
         self.strategy = strategy
@@ -471,7 +489,7 @@ cdef class TemporalSampler:
         self.undirected = bool(cfg.undirected if undirected is None else undirected)
         self.reorder = cfg.reorder if reorder is None else reorder
         self.pin_threads = bool(cfg.pin_threads if pin_threads is None else pin_threads)
-        self.dedup = bool(dedup)
+        self.dedup = bool(cfg.dedup if dedup is None else dedup)
         self.placement = None
         self._lock = threading.Lock()
         self._uniform = strategy == "uniform"

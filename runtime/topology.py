@@ -83,9 +83,11 @@ def read_topology(root: str = SYSFS_CPU, allowed: Optional[Sequence[int]] = None
 
 
 def static_chunks(n: int, threads: int) -> List[slice]:
-    """The contiguous chunks of ``range(n)`` that OpenMP's static schedule gives each thread."""
-    step = -(-n // threads) if threads else n
-    return [slice(min(t * step, n), min((t + 1) * step, n)) for t in range(threads)]
+    """The contiguous chunks of ``range(n)`` that OpenMP's static schedule gives each thread
+    (libgomp's rule: ``n // threads`` each, the first ``n % threads`` threads one more)."""
+    q, r = divmod(n, max(threads, 1))
+    starts = [t * q + min(t, r) for t in range(threads + 1)]
+    return [slice(starts[t], starts[t + 1]) for t in range(threads)]
 
 
 def _pair_threads(chunk_nodes: Sequence[np.ndarray]) -> List[Tuple[int, int]]:

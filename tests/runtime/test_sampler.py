@@ -216,6 +216,16 @@ def test_limit_uses_only_the_first_events(wikipedia):
     assert_blocks_equal(fast.sample(roots, times), ref.sample(roots, times))
 
 
+def test_defaults_come_from_the_config(small_graph):
+    from fastopt import config
+
+    with config.patch(sampler__threads=1, sampler__reorder="rcm", sampler__dedup=False,
+                      sampler__undirected=False):
+        s = TemporalSampler(small_graph, [3])
+    assert (s.threads, s.reorder, s.dedup, s.undirected) == (1, "rcm", False, False)
+    assert TemporalSampler(small_graph, [3], threads=2, dedup=True).dedup
+
+
 def test_dedup_off_leaves_uniques_empty(small_graph):
     batch = TemporalSampler(small_graph, [5, 5], dedup=False).sample(small_graph.src[:50], small_graph.ts[:50])
     assert batch.unique_nodes is None and batch.unique_eids is None
@@ -354,6 +364,7 @@ def test_placement_falls_back_when_nothing_to_exploit(tmp_path):
     assert read_topology(str(tmp_path / "missing"), allowed=[0, 1]).shared == {}
     assert _parse_cpu_list("0-2,5\n") == [0, 1, 2, 5]
     assert static_chunks(5, 2) == [slice(0, 3), slice(3, 5)]
+    assert static_chunks(10, 4) == [slice(0, 3), slice(3, 6), slice(6, 8), slice(8, 10)]
 
 
 def test_pinned_sampler_gives_the_same_batches(small_graph):
