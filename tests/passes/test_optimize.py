@@ -117,7 +117,7 @@ def test_failing_pass_is_named_with_the_passes_before_it():
 
 
 def test_config_group_applies_while_running():
-    cfg = fastopt.Config()
+    cfg = fastopt.default_config().copy()  # other fixtures may have patched the defaults
     cfg.set("passes.fuse_dropout", False)
     fast = fastopt.optimize(TemporalAttention(8, 4, 6, 8), config=cfg)
     assert fast._fastopt_changes == {"passes__fuse_dropout": False}
