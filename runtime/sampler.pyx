@@ -9,19 +9,26 @@ there are at most ``k``, else ``k`` draws with replacement; layer ``l + 1`` samp
 
 How it is fast:
 
-* T-CSR: one array of ``(neighbor, edge id, time)`` entries per node, in time order, built in
-  one counting pass over the (time-sorted) events, so a node's candidates are a prefix of its row.
+* T-CSR: one array of ``(neighbor, edge id, time, twin)`` entries per node, in time order,
+  built in one counting pass over the (time-sorted) events, so a node's candidates are a prefix
+  of its row. ``twin`` is the index of the same event's entry in the neighbor's row.
 * The root layer keeps a pointer per node that only moves forward: chronological batches find
   their prefix by stepping it a few entries; a root whose time went backwards (negatives, the
-  destination half of a batch) binary-searches the part before the pointer. Deeper layers
-  binary-search. Threads race on a pointer only benignly: every value it can hold is correct.
+  destination half of a batch) binary-searches the part before the pointer. Threads race on a
+  pointer only benignly: every value it can hold is correct.
+* Deeper layers need no search: a neighbor reached through an event is sampled at that event's
+  time, and its candidates end at the event's twin entry (less the few entries tied with it in
+  time). Directed graphs have no twins and binary-search.
 * ``prange`` over rows with the static schedule; each row writes its own slots of the padded
   outputs, so the only merge is the prefix sum of the row counts into ``indptr``.
 * Uniform draws come from a counter-based generator (splitmix64) keyed by (seed, epoch, batch,
-  layer, row, slot): 1 and 8 threads give bit-identical batches.
+  layer, row, slot): 1 and 8 threads give bit-identical batches. A row's slots are drawn and
+  prefetched before they are read, so their cache misses overlap.
 * Within-batch dedup with a two-level bitmap and popcount ranks: sorted unique ids and inverse
-  indices in O(entries + id range / 4096), no sort, the independent dedups run in parallel.
-* Outputs are torch tensors allocated once per call and filled in place (no copies).
+  indices in O(entries + id range / 4096), no sort; the layers' dedups run in parallel, the
+  batch's then mark only the layers' distinct ids and gather through their inverses.
+* Outputs are torch tensors allocated once per call and filled in place (no copies), and all
+  loops of a call run in one section without the GIL.
 """
 
 import os
@@ -33,7 +40,7 @@ import torch
 from cython.parallel cimport prange, threadid
 from libc.stdint cimport int64_t, uint64_t, uint8_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy
 
 from fastopt.config import default_config
 from fastopt.errors import SamplerError
@@ -259,7 +266,7 @@ cdef inline int _sample_row(const Layer* c, int64_t i) noexcept nogil:
                 e = &c.edges[end - 1 - j]
             elif avail <= k:
                 e = &c.edges[start + j]
-            elif j < MAX_PREFETCH:
+            elif n <= MAX_PREFETCH:
                 e = &c.edges[drawn[j]]
             else:
                 pos = <int64_t>((_mix(x + <uint64_t>(j + 1) * <uint64_t>0x9E3779B97F4A7C15ULL) >> 11)

@@ -165,6 +165,26 @@ def test_uniform_is_uniform_chi_square():
     assert 0.4 < repeats < 0.65
 
 
+@pytest.mark.parametrize("k", [1, 7, 10, 32, 70])
+def test_uniform_fanouts_wide_and_narrow(k):
+    """Rows with more candidates than k, fewer, and none; k beyond the prefetched slots too."""
+    rng = np.random.default_rng(k)
+    n = 400
+    src = rng.integers(0, 6, n)
+    graph = TemporalGraph(src, rng.integers(0, 40, n), np.sort(rng.integers(0, 50, n)).astype(float), 41)
+    roots = np.array([0, 1, 5, 40, 7, 0])
+    times = np.array([50.0, 25.0, 3.0, 50.0, 50.0, 0.0])
+    one = TemporalSampler(graph, [k], "uniform", threads=1, seed=k).sample(roots, times).blocks[0]
+    two = TemporalSampler(graph, [k], "uniform", threads=2, seed=k).sample(roots, times).blocks[0]
+    for name in BLOCK_FIELDS:
+        assert torch.equal(getattr(one, name), getattr(two, name))
+    for i, (v, t) in enumerate(zip(roots, times)):
+        cands = candidate_sets(graph, v, t)
+        cnt = int(one.counts()[i])
+        assert cnt == min(len(cands), k)
+        assert set(one.nbr_eids[i, :cnt].tolist()) <= set(cands.tolist())
+
+
 def test_uniform_draws_differ_across_batches_and_epochs_not_threads(wikipedia):
     roots = np.concatenate([wikipedia.src[5000:5600], wikipedia.dst[5000:5600]])
     times = np.concatenate([wikipedia.ts[5000:5600]] * 2)
