@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fastopt.runtime.blocks import SampledBatch, TemporalBlock, Unique
-from fastopt.runtime.validate import STRATEGIES, check_fanouts, check_roots
+from fastopt.runtime.validate import check_fanouts, check_roots
 
 __all__ = ["NumpySampler", "check_roots", "check_fanouts"]
 
