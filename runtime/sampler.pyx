@@ -47,7 +47,7 @@ from fastopt.errors import SamplerError
 from fastopt.runtime.blocks import SampledBatch, TemporalBlock, Unique
 from fastopt.runtime.reorder import node_rows
 from fastopt.runtime.topology import plan_placement, read_topology, static_chunks
-from fastopt.runtime.validate import check_fanouts, check_roots, check_threads
+from fastopt.runtime.validate import check_fanouts, check_graph_arrays, check_roots, check_threads
 
 __all__ = ["TemporalSampler", "OPENMP"]
 
@@ -506,7 +506,7 @@ cdef class TemporalSampler:
         self._epoch = 0
         self._batch = 0
 
-        src, dst, ts = _graph_arrays(graph, limit)
+        src, dst, ts = check_graph_arrays(graph, limit)
         self._num_nodes = int(graph.num_nodes)
         self._num_edges = src.shape[0]
         rows = node_rows(src, dst, self._num_nodes, self.reorder)
@@ -794,27 +794,3 @@ cdef class TemporalSampler:
             batch.blocks[l].unique_eids = uniques[L + l]
         batch.unique_nodes = uniques[2 * L]
         batch.unique_eids = uniques[2 * L + 1] if L > 1 else Unique(uniques[L].values, inverses[L].view(-1))
-
-
-def _graph_arrays(graph, limit):
-    """The graph's first ``limit`` events as contiguous int64/int64/float64 arrays, checked."""
-    n = int(graph.src.shape[0])
-    if limit is not None:
-        if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or not 0 <= limit <= n:
-            raise SamplerError(f"limit={limit!r} must be an integer in [0, {n}] (events of the "
-                               f"graph); pass e.g. graph.train_end")
-        n = int(limit)
-    src = np.ascontiguousarray(graph.src[:n], dtype=np.int64)
-    dst = np.ascontiguousarray(graph.dst[:n], dtype=np.int64)
-    ts = np.ascontiguousarray(graph.ts[:n], dtype=np.float64)
-    num_nodes = int(graph.num_nodes)
-    if n and (min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= num_nodes):
-        raise SamplerError(f"event endpoints must lie in [0, num_nodes={num_nodes}); the graph "
-                           f"has ids {min(src.min(), dst.min())}..{max(src.max(), dst.max())}")
-    if n and not np.isfinite(ts).all():
-        raise SamplerError("event times must be finite; repair the graph's timestamps")
-    if n > 1 and (ts[1:] < ts[:-1]).any():
-        i = int(np.argmax(ts[1:] < ts[:-1]))
-        raise SamplerError(f"event times must be sorted: event {i + 1} has ts={ts[i + 1]} < "
-                           f"ts={ts[i]} of event {i}; sort the events by time")
-    return src, dst, ts
