@@ -33,6 +33,7 @@ How it is fast:
 
 import os
 import threading
+import warnings
 
 import numpy as np
 import torch
@@ -405,6 +406,20 @@ cdef _as_input(x, dtype, np_dtype):
     return None
 
 
+def _warn_if_spinning_on_busy_cores(int threads):
+    """Warn when libgomp will spin-wait (its default) on cores other processes keep busy."""
+    if threads < 2 or not HAVE_OPENMP or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    cpus = len(os.sched_getaffinity(0))
+    load = os.getloadavg()[0]
+    if load > cpus - threads + 0.5:
+        warnings.warn(
+            f"TemporalSampler(threads={threads}) on {cpus} CPUs with a load average of {load:.1f}: "
+            f"libgomp's default spin-waiting can make a parallel loop wait for a descheduled "
+            f"thread. Start Python with OMP_WAIT_POLICY=passive, or use fewer threads",
+            RuntimeWarning, stacklevel=1)
+
+
 cdef class TemporalSampler:
     """Multi-layer temporal neighbor sampler over a :class:`~fastopt.data.TemporalGraph`.
 
@@ -490,6 +505,7 @@ cdef class TemporalSampler:
         if threads is None:
             threads = cfg.threads or len(os.sched_getaffinity(0))
         self.threads = check_threads(threads)
+        _warn_if_spinning_on_busy_cores(self.threads)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise SamplerError(f"seed {seed!r} must be an integer; pass e.g. seed=0")
         self.seed = int(seed) & 0xFFFFFFFFFFFFFFFF
@@ -713,7 +729,7 @@ cdef class TemporalSampler:
                                      use_threads_if=total >= 4096):
                         _dedup_task(&tasks[ti], segs)
                     for ti in prange(2 * L, nt, schedule="dynamic", chunksize=1, num_threads=nth,
-                                     use_threads_if=total >= 4096):
+                                     use_threads_if=total >= 4096 and nt - 2 * L > 1):
                         _dedup_task(&tasks[ti], segs)
             if err:
                 return None

@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 
 from fastopt.data import TemporalGraph
 from fastopt.errors import SamplerError
-from fastopt.runtime import TemporalSampler
+from fastopt.runtime import OPENMP, TemporalSampler
 from fastopt.runtime.reorder import node_rows
 from fastopt.runtime.topology import (CpuTopology, Placement, _parse_cpu_list, plan_placement,
                                       read_topology, static_chunks)
@@ -385,6 +385,24 @@ def test_placement_falls_back_when_nothing_to_exploit(tmp_path):
     assert _parse_cpu_list("0-2,5\n") == [0, 1, 2, 5]
     assert static_chunks(5, 2) == [slice(0, 3), slice(3, 5)]
     assert static_chunks(10, 4) == [slice(0, 3), slice(3, 6), slice(6, 8), slice(8, 10)]
+
+
+@pytest.mark.skipif(not OPENMP, reason="a build without OpenMP runs one thread")
+def test_warns_about_spin_waiting_on_busy_cores(small_graph, monkeypatch):
+    import os
+    import warnings
+
+    busy = float(len(os.sched_getaffinity(0)) + 1)
+    monkeypatch.setattr(os, "getloadavg", lambda: (busy, busy, busy))
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    with pytest.warns(RuntimeWarning, match="OMP_WAIT_POLICY=passive"):
+        TemporalSampler(small_graph, [3], threads=2)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TemporalSampler(small_graph, [3], threads=2)
+        TemporalSampler(small_graph, [3], threads=1)
 
 
 def test_pinned_sampler_gives_the_same_batches(small_graph):
