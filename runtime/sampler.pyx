@@ -406,9 +406,21 @@ cdef _as_input(x, dtype, np_dtype):
     return None
 
 
+def _startup_environ():
+    """The environment the process started with: what libgomp read when ``import torch`` loaded
+    it (a variable set later in ``os.environ`` no longer changes libgomp)."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return dict(os.environ)
+    return dict(e.decode(errors="replace").partition("=")[::2] for e in entries if e)
+
+
 def _warn_if_spinning_on_busy_cores(int threads):
     """Warn when libgomp will spin-wait (its default) on cores other processes keep busy."""
-    if threads < 2 or not HAVE_OPENMP or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+    env = _startup_environ()
+    if threads < 2 or not HAVE_OPENMP or "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
         return
     cpus = len(os.sched_getaffinity(0))
     load = os.getloadavg()[0]
@@ -416,7 +428,8 @@ def _warn_if_spinning_on_busy_cores(int threads):
         warnings.warn(
             f"TemporalSampler(threads={threads}) on {cpus} CPUs with a load average of {load:.1f}: "
             f"libgomp's default spin-waiting can make a parallel loop wait for a descheduled "
-            f"thread. Start Python with OMP_WAIT_POLICY=passive, or use fewer threads",
+            f"thread. Start Python with OMP_WAIT_POLICY=passive in its environment (torch reads "
+            f"it at import), or use fewer threads",
             RuntimeWarning, stacklevel=1)
 
 

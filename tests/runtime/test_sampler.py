@@ -392,13 +392,14 @@ def test_warns_about_spin_waiting_on_busy_cores(small_graph, monkeypatch):
     import os
     import warnings
 
+    from fastopt.runtime import sampler
+
     busy = float(len(os.sched_getaffinity(0)) + 1)
     monkeypatch.setattr(os, "getloadavg", lambda: (busy, busy, busy))
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setattr(sampler, "_startup_environ", lambda: {"PATH": "/bin"})
     with pytest.warns(RuntimeWarning, match="OMP_WAIT_POLICY=passive"):
         TemporalSampler(small_graph, [3], threads=2)
-    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    monkeypatch.setattr(sampler, "_startup_environ", lambda: {"OMP_WAIT_POLICY": "passive"})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         TemporalSampler(small_graph, [3], threads=2)
