@@ -17,11 +17,25 @@ import copy
 import dataclasses
 import json
 import os
+import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from fastopt.errors import ConfigError
+
+# OpenMP threads (PyTorch's and the sampler's share one runtime) must sleep, not spin, between
+# parallel regions: with few, busy cores a spinning team makes the next loop wait for a
+# descheduled thread, which made training steps several times slower on a 2-core machine. The
+# runtime reads the variable once, when torch loads it, so it is set here, before fastopt imports
+# torch; an explicit setting in the environment wins. ``OPENMP_WAIT_POLICY`` records what the
+# runtime will read, or None when torch was loaded before fastopt (then only the process's
+# starting environment tells).
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    OPENMP_WAIT_POLICY: Optional[str] = os.environ["OMP_WAIT_POLICY"]
+else:
+    OPENMP_WAIT_POLICY = None
 
 __all__ = [
     "SamplerConfig",

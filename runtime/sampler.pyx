@@ -43,6 +43,7 @@ from libc.stdint cimport int64_t, uint64_t, uint8_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
 
+from fastopt import config as fconfig
 from fastopt.config import default_config
 from fastopt.errors import SamplerError
 from fastopt.runtime.blocks import SampledBatch, TemporalBlock, Unique
@@ -407,8 +408,11 @@ cdef _as_input(x, dtype, np_dtype):
 
 
 def _startup_environ():
-    """The environment the process started with: what libgomp read when ``import torch`` loaded
-    it (a variable set later in ``os.environ`` no longer changes libgomp)."""
+    """The OpenMP variables libgomp read when ``import torch`` loaded it: those fastopt set
+    before importing torch (:data:`fastopt.config.OPENMP_WAIT_POLICY`), else the environment the
+    process started with (a variable set later in ``os.environ`` no longer changes libgomp)."""
+    if fconfig.OPENMP_WAIT_POLICY is not None:
+        return {"OMP_WAIT_POLICY": fconfig.OPENMP_WAIT_POLICY}
     try:
         with open("/proc/self/environ", "rb") as f:
             entries = f.read().split(b"\0")
