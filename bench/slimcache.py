@@ -41,7 +41,7 @@ from fastopt.data import load_dataset
 from fastopt.runtime import CacheTable, SlimCache, Unique, belady_optimum
 from fastopt.sampling import NumpySampler
 
-DATA = Path("/work/shared/data")
+DATA = Path(os.environ.get("FASTOPT_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 DATASETS = ["wikipedia", "email-Eu-core-temporal", "sociopatterns-SFHH"]
 BUDGETS = [0.01, 0.05, 0.10, 0.25, 1.00]
 POLICIES = ["static", "lru", "future", "auto"]
