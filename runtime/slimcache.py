@@ -543,24 +543,47 @@ class SlimCache:
                 bad = lo if lo < 0 else hi
                 raise CacheError(f"written row id {bad} of table {table!r} is outside [0, "
                                  f"{t.num_rows}); pass ids of this table's rows")
-            if torch.unique(ids).numel() != ids.numel():
+            distinct = torch.unique(ids).numel()
+            if distinct != ids.numel():
                 raise CacheError(f"ids written to table {table!r} repeat ({ids.numel()} ids, "
-                                 f"{torch.unique(ids).numel()} distinct); write each row once per step")
+                                 f"{distinct} distinct); write each row once per step")
             values = values.to(self.device)
             slots = t.directory.slot_of.index_select(0, ids).long()
             resident = slots >= 0
             res_pos = torch.nonzero(resident).flatten()
             away_pos = torch.nonzero(~resident).flatten()
+            res_slots = slots.index_select(0, res_pos)
+            # One upload of the three index vectors: each pageable copy would stall the host
+            # until the device has drained its queue.
+            dev_pos, dev_slots, dev_away = self._to_device([res_pos, res_slots, away_pos])
             if res_pos.numel():
-                dev_pos, dev_slots = (x.to(self.device) for x in (res_pos, slots[res_pos]))
                 t.slots.index_copy_(0, dev_slots, values.index_select(0, dev_pos))
-                t.directory.dirty.index_fill_(0, slots[res_pos], True)
+                t.directory.dirty.index_fill_(0, res_slots, True)
             if away_pos.numel():
-                self._write_host(t, ids[away_pos], values.index_select(0, away_pos.to(self.device)))
+                self._write_host(t, ids.index_select(0, away_pos), values.index_select(0, dev_away))
                 t.counters.writethroughs += away_pos.numel()
 
+    def _to_device(self, parts: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Host int64 vectors on the device, in one copy ordered on the current stream."""
+        if self.device.type != "cuda":
+            return parts
+        packed = torch.cat(parts).pin_memory()
+        # Pinned source: the copy is asynchronous, and the host allocator keeps the buffer until
+        # the copy has run.
+        dev = packed.to(self.device, non_blocking=True)
+        return list(torch.split(dev, [p.numel() for p in parts]))
+
     def _write_host(self, table: _TableCache, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        rows = rows.to("cpu")
+        """Store device rows in the host copy; returns once they are there.
+
+        The copy is ordered after the current stream's writes of ``rows`` and waited for before
+        the host copy is touched, since the next gather of a miss reads it.
+        """
+        if rows.device.type == "cuda":
+            out = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            out.copy_(rows, non_blocking=True)
+            torch.cuda.current_stream(rows.device).synchronize()
+            rows = out
         table.host.index_copy_(0, ids, rows)
         table.counters.bytes_d2h += rows.shape[0] * table.row_bytes
 
@@ -573,7 +596,8 @@ class SlimCache:
                 dirty = torch.nonzero(table.directory.dirty).flatten()
                 if dirty.numel() == 0:
                     continue
-                rows = table.slots.index_select(0, dirty.to(self.device))
+                (dev_dirty,) = self._to_device([dirty])
+                rows = table.slots.index_select(0, dev_dirty)
                 self._write_host(table, table.directory.id_of.index_select(0, dirty), rows)
                 table.directory.dirty.index_fill_(0, dirty, False)
                 table.counters.writebacks += dirty.numel()

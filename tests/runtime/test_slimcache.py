@@ -157,6 +157,71 @@ def test_write_back_equals_an_all_on_device_run_bit_for_bit(policy):
     assert torch.equal(cache.host("memory"), reference)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+def stall(device: str) -> None:
+    """Queue a long kernel on the current stream: a copy that does not wait for it reads stale rows."""
+    if device == "cuda" and hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(5_000_000)
+
+
+def memory_update(rows: torch.Tensor) -> torch.Tensor:
+    # Elementwise, so the cache's run and the plain tensor's compute identical bits on one device
+    # (tanh itself differs in the last bits between the CPU and CUDA).
+    return torch.tanh(rows * 0.9 + 0.1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", ["static", "lru", "future"])
+def test_write_back_on_the_cache_device_equals_a_plain_tensor_run_bit_for_bit(device, policy):
+    """The training loop on the cache's device: edge lookups staged a batch ahead, node memory read,
+    updated on the device (read rows and a few unread ones) and written, under a budget that
+    forces dirty evictions and write-throughs; the reference applies the same updates to one plain
+    tensor on the same device."""
+    g = torch.Generator().manual_seed(7)
+    edges, nodes, batches = 6000, 1500, 40
+    edge, mem = torch.randn(edges, 48, generator=g), torch.randn(nodes, 24, generator=g)
+    stream = []
+    for b in range(batches):
+        lo = (b * 120) % (edges - 600)
+        eids = torch.randint(lo, lo + 600, (200, 4), generator=g)
+        eids[torch.rand(200, 4, generator=g) < 0.1] = -1
+        read = torch.randint(0, nodes, (400,), generator=g)
+        written = torch.unique(torch.cat([read[:150], torch.randint(0, nodes, (20,), generator=g)]))
+        stream.append((eids, read, written))
+    cache = SlimCache({"edge": edge, "memory": CacheTable(mem, writable=True)}, device=device,
+                      config=CacheConfig(policy=policy, budget_fraction=0.1, split="proportional"))
+    cache.plan([{"edge": e, "memory": r} for e, r, _ in stream])
+    edge_dev, reference = edge.to(device), mem.to(device, copy=True)
+    pending = cache.stage("edge", stream[0][0])
+    for i, (eids, read, written) in enumerate(stream):
+        ahead = cache.stage("edge", stream[i + 1][0]) if i + 1 < batches else None
+        stall(device)
+        rows = cache.finish(pending)
+        pending = ahead
+        assert torch.equal(rows.expand(), gather(edge_dev, eids.to(device)))
+        stall(device)
+        mrows = cache.lookup("memory", read)
+        assert mrows.rows.device.type == device
+        assert torch.equal(mrows.expand(), reference[read.to(device)])
+        dev_written = written.to(device)
+        new = memory_update(reference[dev_written])
+        stall(device)
+        cache.write("memory", written, new)
+        reference[dev_written] = new
+    stall(device)
+    cache.flush()
+    assert torch.equal(cache.host("memory"), reference.cpu())
+    c = cache.counters("memory")
+    assert c.writebacks > 0 and c.writethroughs > 0
+    if policy != "static":
+        assert c.evictions > 0
+    check_counters(cache, "memory")
+    cache.close()
+
+
 def recorded_streams():
     """Edge-id streams of a real dataset under recent (1x10) and uniform (2x10) sampling."""
     from fastopt.data import load_dataset
