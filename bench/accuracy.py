@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _meta import git_commit
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -30,13 +32,6 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("FASTOPT_GIT_COMMIT", "unknown")
 
 
 def run_one(model: str, dataset: str, epochs: int, extra: list) -> dict:
@@ -63,7 +58,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     extra = [a for a in args.extra if a != "--"]
     record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": cpu_model(),
-              "cores": os.cpu_count(), "commit": commit(), "command": shlex.join([sys.executable] + sys.argv),
+              "cores": os.cpu_count(), "commit": git_commit(), "command": shlex.join([sys.executable] + sys.argv),
               "runs": []}
     for dataset in args.datasets:
         for model in args.models:

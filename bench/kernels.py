@@ -23,11 +23,12 @@ import os
 import pstats
 import shlex
 import statistics
-import subprocess
 import sys
 from typing import Callable, Dict, List
 
 import torch
+
+from _meta import git_commit
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -238,18 +239,6 @@ def profile_fused(rows: int, slots: int, heads: int, dim: int, iters: int = 20) 
         host.disable()
     print(f"host profile of {iters} fused forward+backward calls (cProfile, by own time):")
     pstats.Stats(host).sort_stats("tottime").print_stats(22)
-
-
-def git_commit() -> str:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
-                             text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("FASTOPT_GIT_COMMIT", "unknown")
 
 
 def print_table(rows: List[Dict[str, object]], bandwidth: float) -> None:

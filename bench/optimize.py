@@ -17,13 +17,13 @@ import datetime
 import json
 import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 import fastopt
+from _meta import git_commit
 from fastopt.models import APAN, JODIE, TGAT, TGN, GraphInputs
 
 
@@ -69,14 +69,6 @@ def _time(fn, inputs, warmup: int, iters: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _models(num_nodes: int, edge_dim: int):
@@ -137,7 +129,7 @@ def main(argv=None) -> int:
             "capability": list(torch.cuda.get_device_capability()),
             "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "fastopt": fastopt.__version__,
-            "git_commit": _git_commit(),
+            "git_commit": git_commit(),
             "command": " ".join([sys.executable, *sys.argv]),
             "timing": f"CUDA events, median of {args.iters} steps after {args.warmup} warm-up",
             "results": rows,

@@ -23,14 +23,15 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import fastopt  # noqa: F401  (first: sets the OpenMP wait policy before torch loads it)
 import numpy as np
 import torch
 
+from _meta import git_commit
 from fastopt.data import load_dataset
 from fastopt.runtime import OPENMP, TemporalSampler
 from fastopt.sampling import NumpySampler
@@ -73,10 +74,6 @@ def environment() -> dict:
     """Date, machine, load, versions and commit of this run."""
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     models = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
-    git = ["git", "-C", str(REPO)]
-    commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(git + ["status", "--porcelain", "--", "runtime", "bench/sampler.py"],
-                           capture_output=True, text=True).stdout.strip()
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": {"cpu_model": models[0] if models else platform.processor(),
@@ -84,7 +81,7 @@ def environment() -> dict:
                     "load_average_at_start": list(os.getloadavg()), "host": platform.node()},
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "numpy": np.__version__, "openmp": bool(OPENMP)},
-        "commit": (commit or "unknown") + ("+dirty" if dirty else ""),
+        "commit": git_commit(),
         "openmp_env": {k: os.environ[k] for k in OPENMP_ENV if k in os.environ},
         "command": " ".join([f"{k}={shlex.quote(os.environ[k])}" for k in OPENMP_ENV if k in os.environ]
                             + ["python"] + [shlex.quote(a) for a in sys.argv]),

@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 
 from fastopt.config import CacheConfig
+from _meta import git_commit
 from fastopt.data import load_dataset
 from fastopt.runtime import CacheTable, SlimCache, Unique, belady_optimum
 from fastopt.sampling import NumpySampler
@@ -189,18 +189,6 @@ def machine() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
-
-
-def git_commit() -> str:
-    root = Path(__file__).resolve().parents[1]
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "runtime", "bench", "fastopt"],
-                               cwd=root, capture_output=True, text=True).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run(args) -> dict:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, Iterator, List
 
-import torch
 from torch import fx, nn
 
 from fastopt.errors import TraceError

@@ -8,8 +8,7 @@ proceeds normally. A disagreement raises :class:`TraceError` with the largest di
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Tuple
 
 import torch
 from torch import Tensor

@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch

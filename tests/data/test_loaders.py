@@ -53,7 +53,7 @@ def test_jodie_csv_with_features_is_bipartite_and_sorted(tmp_path):
 
 
 def test_tgl_edges_csv(tmp_path):
-    f = write(tmp_path / "edges.csv", ",src,dst,time,ext_roll\n0,10,20,0,0\n1,20,30,5,0\n2,10,30,5,1\n")
+    write(tmp_path / "edges.csv", ",src,dst,time,ext_roll\n0,10,20,0,0\n1,20,30,5,0\n2,10,30,5,1\n")
     g = load_dataset(tmp_path)  # a directory with edges.csv
     np.testing.assert_array_equal(g.src, [0, 1, 0])
     np.testing.assert_array_equal(g.dst, [1, 2, 2])

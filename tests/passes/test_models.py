@@ -5,11 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 import fastopt
 from fastopt.config import Config
-from fastopt.errors import TraceError
 from fastopt.models import build_model
 from fastopt.trainer import Trainer
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import fx, nn
+from torch import nn
 
 import fastopt
 from fastopt.errors import FastOptError, TraceError
