@@ -115,9 +115,9 @@ class PassesConfig:
 
 @dataclass
 class PipelineConfig:
-    # batches sampled and staged ahead of the one being trained
+    # batches whose neighborhoods are sampled ahead of the one being trained (0 = in the loop)
     prefetch_depth: int = 2
-    # run sampling in a background thread
+    # sample on a background thread (the compiled sampler runs without the GIL)
     async_sampling: bool = True
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ from fastopt.errors import ConfigError, FastOptError
 from fastopt.metrics import average_precision, mrr, roc_auc
 from fastopt.models.base import GraphInputs, TGNNModel
 
-__all__ = ["Trainer", "resolve_device", "make_sampler", "NegativeSampler"]
+__all__ = ["Trainer", "EventBatch", "resolve_device", "make_sampler", "NegativeSampler"]
 
 STAGES = ("sample", "gather", "forward", "backward", "update")
 _SPLIT_IDS = {"train": 0, "val": 1, "test": 2}
@@ -87,6 +88,35 @@ class EpochStats:
     val: dict = field(default_factory=dict)
 
 
+@dataclass
+class EventBatch:
+    """One chronological batch: its positive events, negatives, roots and (once sampled) neighbors.
+
+    Roots are ``[src, dst, neg, extra.ravel()]`` at the events' times; ``extra`` holds the MRR
+    negatives ``[B, n]`` of an evaluation batch.
+    """
+
+    index: int
+    start: int
+    stop: int
+    src: np.ndarray
+    dst: np.ndarray
+    ts: np.ndarray
+    neg: np.ndarray
+    extra: Optional[np.ndarray] = None
+    sampled: Optional[object] = None
+
+    @property
+    def roots(self) -> np.ndarray:
+        parts = [self.src, self.dst, self.neg] + ([self.extra.reshape(-1)] if self.extra is not None else [])
+        return np.concatenate(parts)
+
+    @property
+    def times(self) -> np.ndarray:
+        copies = 3 + (self.extra.shape[1] if self.extra is not None else 0)
+        return np.tile(self.ts, copies)
+
+
 class Trainer:
     """Train a TGNN for link prediction on a temporal graph.
 
@@ -127,12 +157,15 @@ class Trainer:
             return torch.zeros(*ids.shape, 0, device=self.device)
         return table[ids.to(self.device).clamp(min=0)]
 
-    def build_inputs(self, roots: np.ndarray, times: np.ndarray, timer=None) -> GraphInputs:
-        """Sample and gather everything the model needs for ``roots`` at ``times``."""
+    def build_inputs(self, roots: np.ndarray, times: np.ndarray, timer=None, sampled=None) -> GraphInputs:
+        """Gather everything the model needs for ``roots`` at ``times`` (sampling them first unless
+        ``sampled`` holds their neighborhoods already)."""
         timer = timer or _Timer(self.device)
         dev = self.device
-        with timer("sample"):
-            batch = self.sampler.sample(roots, times) if self.sampler is not None else None
+        batch = sampled
+        if batch is None and self.sampler is not None:
+            with timer("sample"):
+                batch = self.sampler.sample(roots, times)
         with timer("gather"):
             roots_t = torch.from_numpy(roots).to(dev)
             nodes, ntimes = [roots_t], [torch.from_numpy(times).to(dev)]
@@ -146,9 +179,45 @@ class Trainer:
             node_feat = [self._feat(self._node_feat, n) for n in nodes]
         return GraphInputs(nodes, ntimes, node_feat, edge_feat, dt, mask)
 
-    def _events(self, split: str, start: int, stop: int):
-        g = self.graph
-        return g.src[start:stop], g.dst[start:stop], g.ts[start:stop]
+    def plan(self, split: str, epoch: int, mrr_negatives: int = 0) -> Iterator[EventBatch]:
+        """The batches of ``split`` in chronological order, with their negatives (not yet sampled)."""
+        g, size = self.graph, self.config.train.batch_size
+        r = g.split_range(split)
+        for b, start in enumerate(range(r.start, r.stop, size)):
+            stop = min(start + size, r.stop)
+            n = stop - start
+            extra = None
+            if mrr_negatives:
+                extra = self.negatives.draw(n * mrr_negatives, epoch, split, b + 1_000_000).reshape(n, mrr_negatives)
+            yield EventBatch(b, start, stop, g.src[start:stop], g.dst[start:stop], g.ts[start:stop],
+                             self.negatives.draw(n, epoch, split, b), extra)
+
+    def _sampled(self, batches: Iterator[EventBatch], timer) -> Iterator[EventBatch]:
+        """``batches`` with their neighborhoods sampled.
+
+        With ``pipeline.async_sampling`` a background thread samples up to
+        ``pipeline.prefetch_depth`` batches ahead of the one being trained (neighborhoods never
+        depend on training state, and the compiled sampler runs without the GIL); the time the
+        training loop still waits for a batch is charged to the ``sample`` stage.
+        """
+        pipe = self.config.pipeline
+        if self.sampler is None:
+            yield from batches
+            return
+        if not pipe.async_sampling or pipe.prefetch_depth == 0:
+            for batch in batches:
+                with timer("sample"):
+                    batch.sampled = self.sampler.sample(batch.roots, batch.times)
+                yield batch
+            return
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastopt-sampler") as pool:
+            ahead = deque()
+            for batch in batches:
+                ahead.append((batch, pool.submit(self.sampler.sample, batch.roots, batch.times)))
+                if len(ahead) > pipe.prefetch_depth:
+                    yield _collect(ahead.popleft(), timer)
+            while ahead:
+                yield _collect(ahead.popleft(), timer)
 
     # ----------------------------------------------------------------------------- training
     def fit(self, epochs: Optional[int] = None, *, resume: Optional[Union[str, os.PathLike]] = None) -> list:
@@ -182,29 +251,23 @@ class Trainer:
             self.sampler.reset(epoch)
         timer = _Timer(self.device)
         split = self.graph.split_range("train")
-        starts = range(split.start, split.stop, cfg.batch_size)
         total_loss, t0 = 0.0, time.perf_counter()
-        bar = _progress(starts, f"epoch {epoch}", self.progress)
-        for b, start in enumerate(bar):
-            stop = min(start + cfg.batch_size, split.stop)
-            src, dst, ts = self._events("train", start, stop)
-            neg = self.negatives.draw(stop - start, epoch, "train", b)
-            loss = self._step(src, dst, neg, ts, start, stop, timer, train=True)
-            total_loss += loss * (stop - start)
-            if self.progress and b % 10 == 0:
+        bar = _progress(self._sampled(self.plan("train", epoch), timer), f"epoch {epoch}", self.progress,
+                        total=-(-(split.stop - split.start) // cfg.batch_size))
+        for batch in bar:
+            loss = self._step(batch, timer, train=True)
+            total_loss += loss * (batch.stop - batch.start)
+            if self.progress and batch.index % 10 == 0:
                 elapsed = time.perf_counter() - t0
-                bar.set_postfix(loss=f"{loss:.4f}", ev_s=f"{(stop - split.start) / max(elapsed, 1e-9):,.0f}")
+                bar.set_postfix(loss=f"{loss:.4f}", ev_s=f"{(batch.stop - split.start) / max(elapsed, 1e-9):,.0f}")
         seconds = time.perf_counter() - t0
         n = split.stop - split.start
         return EpochStats(epoch, total_loss / max(n, 1), seconds, n / seconds, dict(timer.totals))
 
-    def _step(self, src, dst, neg, ts, start, stop, timer, train: bool, extra_neg=None):
+    def _step(self, batch: EventBatch, timer, train: bool):
         model, dev = self.model, self.device
-        b = src.shape[0]
-        parts = [src, dst, neg] + ([extra_neg.reshape(-1)] if extra_neg is not None else [])
-        roots = np.concatenate(parts)
-        times = np.tile(ts, len(parts) - 1 + (extra_neg.shape[1] if extra_neg is not None else 1))
-        inputs = self.build_inputs(roots, times, timer)
+        b, extra_neg = batch.src.shape[0], batch.extra
+        inputs = self.build_inputs(batch.roots, batch.times, timer, sampled=batch.sampled)
         with timer("forward"):
             h = model.embed(inputs)
             h_src = h[:b]
@@ -223,10 +286,10 @@ class Trainer:
                 loss.backward()
                 self.optimizer.step()
         with timer("update"):
-            eids = torch.arange(start, stop, device=dev)
+            eids = torch.arange(batch.start, batch.stop, device=dev)
             efeat = self._feat(self._edge_feat, eids)
-            model.commit(torch.from_numpy(src).to(dev), torch.from_numpy(dst).to(dev),
-                         torch.from_numpy(ts).to(dev), efeat)
+            model.commit(torch.from_numpy(batch.src).to(dev), torch.from_numpy(batch.dst).to(dev),
+                         torch.from_numpy(batch.ts).to(dev), efeat)
         if train:
             return float(loss.detach())
         return pos.detach().cpu().numpy(), negs.detach().cpu().numpy(), None if extra is None else extra.cpu().numpy()
@@ -244,16 +307,10 @@ class Trainer:
         rng_split = self.graph.split_range(split)
         pos_all, neg_all, extra_all = [], [], []
         timer = _Timer(self.device)
-        starts = range(rng_split.start, rng_split.stop, cfg.batch_size)
-        for b, start in enumerate(_progress(starts, f"eval {split}", self.progress)):
-            stop = min(start + cfg.batch_size, rng_split.stop)
-            src, dst, ts = self._events(split, start, stop)
-            neg = self.negatives.draw(stop - start, self.epoch, split, b)
-            extra = None
-            if mrr_negatives:
-                extra = self.negatives.draw((stop - start) * mrr_negatives, self.epoch, split, b + 1_000_000)
-                extra = extra.reshape(stop - start, mrr_negatives)
-            pos, negs, ext = self._step(src, dst, neg, ts, start, stop, timer, train=False, extra_neg=extra)
+        batches = self._sampled(self.plan(split, self.epoch, mrr_negatives), timer)
+        for batch in _progress(batches, f"eval {split}", self.progress,
+                               total=-(-(rng_split.stop - rng_split.start) // cfg.batch_size)):
+            pos, negs, ext = self._step(batch, timer, train=False)
             pos_all.append(pos)
             neg_all.append(negs)
             if ext is not None:
@@ -327,12 +384,20 @@ def _as_dict(stats: EpochStats) -> dict:
             "events_per_s": stats.events_per_s, "stages": stats.stages, "val": stats.val}
 
 
-def _progress(iterable, desc: str, enabled: bool):
+def _progress(iterable, desc: str, enabled: bool, total: Optional[int] = None):
     if not enabled:
         return _Quiet(iterable)
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, desc=desc, leave=False, dynamic_ncols=True)
+    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)
+
+
+def _collect(pending, timer) -> EventBatch:
+    """Wait for a prefetched batch's neighborhoods; the wait is what sampling still costs."""
+    batch, future = pending
+    with timer("sample"):
+        batch.sampled = future.result()
+    return batch
 
 
 class _Quiet:

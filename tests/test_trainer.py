@@ -83,3 +83,28 @@ def test_bad_training_config(small_graph):
         resolve_device("tpu")
     with pytest.raises(FastOptError, match="does not exist"):
         make(small_graph).fit(1, resume="/nonexistent/checkpoint.pt")
+
+
+@pytest.mark.parametrize("name", ["tgn", "tgat"])
+def test_sampling_ahead_on_a_thread_changes_nothing(small_graph, name):
+    """Neighborhoods sampled up to two batches ahead on a background thread give the same run."""
+    runs = []
+    for async_sampling, depth in ((False, 0), (True, 2)):
+        t = make(small_graph, name)
+        t.config.set("pipeline.async_sampling", async_sampling)
+        t.config.set("pipeline.prefetch_depth", depth)
+        t.fit(1)
+        runs.append((t.history[0]["loss"], t.history[0]["val"], t.test_metrics))
+    assert runs[0] == runs[1]
+
+
+def test_plan_covers_the_split_in_order(small_graph):
+    t = make(small_graph, "jodie", batch_size=700)
+    batches = list(t.plan("train", epoch=0, mrr_negatives=4))
+    r = small_graph.split_range("train")
+    assert [b.start for b in batches] == list(range(r.start, r.stop, 700))
+    assert batches[-1].stop == r.stop
+    b = batches[1]
+    assert b.extra.shape == (700, 4) and b.roots.shape == (700 * 7,)
+    np.testing.assert_array_equal(b.roots[:700], small_graph.src[700:1400])
+    np.testing.assert_array_equal(b.times, np.tile(small_graph.ts[700:1400], 7))
