@@ -26,6 +26,28 @@ def _openmp_flags():
     return (["-fopenmp"], ["-fopenmp"]) if ok else ([], [])
 
 
+def _package_include_dir(root):
+    """Lay out ``fastopt/runtime`` under ``root`` for Cython's .pxd search.
+
+    Cython finds the declarations of ``fastopt.runtime.sampler`` as ``fastopt/runtime/sampler.pxd``
+    on its include path, but the sources live in ``runtime/`` (mapped onto ``fastopt.runtime`` by
+    the package-dir table), so the package path is mirrored by a link (or a copy of the .pxd files
+    where links are not possible).
+    """
+    pkg = os.path.join(root, "fastopt")
+    os.makedirs(pkg)
+    open(os.path.join(pkg, "__init__.pxd"), "w").close()
+    target = os.path.join(pkg, "runtime")
+    try:
+        os.symlink(os.path.abspath("runtime"), target, target_is_directory=True)
+    except OSError:
+        os.makedirs(target)
+        open(os.path.join(target, "__init__.pxd"), "w").close()
+        for pxd in glob.glob(os.path.join("runtime", "*.pxd")):
+            shutil.copy(pxd, target)
+    return root
+
+
 def _extensions():
     from Cython.Build import cythonize
 
@@ -39,7 +61,9 @@ def _extensions():
         )
         for path in sorted(glob.glob(os.path.join("runtime", "*.pyx")))
     ]
-    return cythonize(exts, language_level=3, compile_time_env={"HAVE_OPENMP": bool(cflags)})
+    with tempfile.TemporaryDirectory(prefix="fastopt-pxd-") as tmp:
+        return cythonize(exts, language_level=3, include_path=[_package_include_dir(tmp)],
+                         compile_time_env={"HAVE_OPENMP": bool(cflags)})
 
 
 setup(ext_modules=_extensions())
