@@ -80,6 +80,21 @@ def _models(num_nodes: int, edge_dim: int):
     }
 
 
+def _profile(fn, inputs, path: Path, steps: int = 10) -> None:
+    """Where a step's host and device time go: operator tables sorted by CPU and by CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn(inputs).sum().backward()
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{steps} steps\n\n# by CPU time\n"
+                    + table.table(sort_by="cpu_time_total", row_limit=30)
+                    + "\n\n# by CUDA time\n" + table.table(sort_by="cuda_time_total", row_limit=30))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write results to this JSON file")
@@ -90,6 +105,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="also write torch.profiler tables of eager and fastopt steps to DIR")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/optimize.py needs a CUDA GPU; none is available here. Nothing was measured.")
@@ -110,6 +127,9 @@ def main(argv=None) -> int:
             compiled = torch.compile(model)
             row["compile_ms"] = _time(compiled, inputs, args.warmup, args.iters)
         row["fastopt_ms"] = _time(fast, inputs, args.warmup, args.iters)
+        if args.profile:
+            for label, fn in (("eager", model), ("fastopt", fast)):
+                _profile(fn, inputs, Path(args.profile) / f"profile-{name}-{label}.txt")
         row["speedup_vs_eager"] = row["eager_ms"] / row["fastopt_ms"]
         if "compile_ms" in row:
             row["speedup_vs_compile"] = row["compile_ms"] / row["fastopt_ms"]
