@@ -2,8 +2,14 @@
 
 Attention passes come first (each anchors on a different node kind, so their relative order only
 affects the report); masked aggregation runs after them because an attention's weighted sum is
-also a masked-looking ``(a * v).sum``; the time encoding runs after attention; projection before
-gather runs last. ``passes/README.md`` states the invariants every pass keeps.
+also a masked-looking ``(a * v).sum``; projection before gather runs last. ``passes/README.md``
+states the invariants every pass keeps.
+
+``fuse_time_encoding`` is not in the default pipeline: on its own, one ``time_encode`` custom op
+costs more host time per call than the ``addmm`` and ``cos`` it replaces (H200 profile of
+TGN/TGAT steps, ``bench/optimize.py --profile``); it pays only as the prologue of
+``time_encoded_attention``, which needs the key/value projection split first. Run it explicitly
+with ``PassManager([FuseTimeEncoding()])`` where a standalone encoding is wanted.
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ from fastopt.passes.attention_mha import FuseMultiheadAttention
 from fastopt.passes.attention_sdpa import FuseSdpaAttention
 from fastopt.passes.manager import PassManager
 from fastopt.passes.project_before_gather import ProjectBeforeGather
-from fastopt.passes.time_encoding import FuseTimeEncoding
 
 __all__ = ["PIPELINE", "default_pipeline"]
 
@@ -23,7 +28,6 @@ PIPELINE = (
     FuseSdpaAttention,
     FuseTemporalAttention,
     FuseMaskedAggregation,
-    FuseTimeEncoding,
     ProjectBeforeGather,
 )
 
