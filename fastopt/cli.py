@@ -86,7 +86,7 @@ def _cmd_train(args) -> int:
           f"{graph.val_end - graph.train_end:,}/{graph.num_events - graph.val_end:,}) on {trainer.device}",
           flush=True)
     t0 = time.perf_counter()
-    history = _fit_verbose(trainer, tc.epochs, args.resume)
+    history = trainer.fit(tc.epochs, resume=args.resume, on_epoch=_print_epoch)
     test = trainer.test_metrics
     print("test: " + "  ".join(f"{k}={v:.4f}" for k, v in test.items()))
     summary = {
@@ -99,25 +99,13 @@ def _cmd_train(args) -> int:
     return 0
 
 
-def _fit_verbose(trainer, epochs, resume):
-    """Fit while printing one line per epoch."""
-    original = trainer._log
-
-    def log(record):
-        original(record)
-        if "epoch" in record:
-            st = record["stages"]
-            stages = " ".join(f"{k}={st.get(k, 0.0):.1f}s" for k in ("sample", "gather", "forward", "backward", "update"))
-            val = record["val"]
-            print(f"epoch {record['epoch']:>3}  loss={record['loss']:.4f}  {record['seconds']:.1f}s "
-                  f"({record['events_per_s']:,.0f} ev/s; {stages})  val ap={val['ap']:.4f} auc={val['auc']:.4f}",
-                  flush=True)
-
-    trainer._log = log
-    try:
-        return trainer.fit(epochs, resume=resume)
-    finally:
-        trainer._log = original
+def _print_epoch(record: dict) -> None:
+    st = record["stages"]
+    stages = " ".join(f"{k}={st.get(k, 0.0):.1f}s" for k in ("sample", "gather", "forward", "backward", "update"))
+    val = record["val"]
+    print(f"epoch {record['epoch']:>3}  loss={record['loss']:.4f}  {record['seconds']:.1f}s "
+          f"({record['events_per_s']:,.0f} ev/s; {stages})  val ap={val['ap']:.4f} auc={val['auc']:.4f}",
+          flush=True)
 
 
 def _cmd_info(args) -> int:

@@ -247,11 +247,6 @@ def _check(ok: bool, name: str, value: Any, limit: str) -> None:
 
 
 def _coerce(name: str, value: Any, ftype: Any) -> Any:
-    origin = typing.get_origin(ftype)
-    if origin is typing.Union:  # Optional[T]
-        if value is None or (isinstance(value, str) and value.lower() in ("", "none")):
-            return None
-        ftype = next(a for a in typing.get_args(ftype) if a is not type(None))
     try:
         if ftype is bool:
             if isinstance(value, str):

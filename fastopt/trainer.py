@@ -14,7 +14,7 @@ from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -220,9 +220,11 @@ class Trainer:
                 yield _collect(ahead.popleft(), timer)
 
     # ----------------------------------------------------------------------------- training
-    def fit(self, epochs: Optional[int] = None, *, resume: Optional[Union[str, os.PathLike]] = None) -> list:
+    def fit(self, epochs: Optional[int] = None, *, resume: Optional[Union[str, os.PathLike]] = None,
+            on_epoch: Optional[Callable[[dict], None]] = None) -> list:
         """Train for ``epochs`` (default ``config.train.epochs``), evaluating on validation after
-        each epoch and on test at the end. ``resume`` continues from a checkpoint file."""
+        each epoch and on test at the end. ``resume`` continues from a checkpoint file;
+        ``on_epoch`` receives each epoch's record (loss, seconds, stage times, validation)."""
         epochs = self.config.train.epochs if epochs is None else int(epochs)
         if epochs < 1:
             raise ConfigError(f"epochs must be >= 1 (got {epochs}); pass --epochs 10 or any positive integer")
@@ -233,8 +235,11 @@ class Trainer:
         while self.epoch < epochs:
             stats = self.train_epoch(self.epoch)
             stats.val = self.evaluate("val")
-            self.history.append(_as_dict(stats))
-            self._log({"epoch": stats.epoch, **_as_dict(stats)})
+            record = _as_dict(stats)
+            self.history.append(record)
+            self._log(record)
+            if on_epoch is not None:
+                on_epoch(record)
             self.epoch += 1
             if self.checkpoint_dir is not None:
                 self.save_checkpoint(self.checkpoint_dir / "checkpoint.pt")

@@ -99,12 +99,13 @@ def load_file(path: Union[str, os.PathLike], cache: bool = True) -> TemporalGrap
     if raw[:6] == b"\x93NUMPY" or raw[:2] == b"PK":
         return _load_npz(path, name)
     digest = hashlib.sha256(raw).hexdigest()[:16]
-    cached = _cache_path(path, digest)
-    if cache and cached is not None and cached.exists():
-        try:
-            return _load_npz(cached, name)
-        except DataError:
-            pass  # a damaged cache entry is rebuilt below
+    if cache:
+        for cached in _cache_paths(path, digest):
+            if cached.exists():
+                try:
+                    return _load_npz(cached, name)
+                except DataError:
+                    pass  # a damaged cache entry is rebuilt below
     graph = _parse_text(raw, name, str(path))
     if cache:
         _write_cache(path, digest, graph)
@@ -132,17 +133,16 @@ def save_npz(graph: TemporalGraph, path: Union[str, os.PathLike]) -> None:
 
 
 # --------------------------------------------------------------------------------- cache
-def _cache_path(source: Path, digest: str) -> Optional[Path]:
-    return source.with_name(f"{source.name}.{digest}.v{_PARSER_VERSION}.npz")
-
-
-def _user_cache_path(source: Path, digest: str) -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastopt" / "datasets"
-    return base / f"{source.name}.{digest}.v{_PARSER_VERSION}.npz"
+def _cache_paths(source: Path, digest: str) -> tuple:
+    """Where a parsed copy may live, in order: beside the source, then the user cache (used when
+    the source's folder is read-only)."""
+    entry = f"{source.name}.{digest}.v{_PARSER_VERSION}.npz"
+    user = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastopt" / "datasets"
+    return source.with_name(entry), user / entry
 
 
 def _write_cache(source: Path, digest: str, graph: TemporalGraph) -> None:
-    for target in (_cache_path(source, digest), _user_cache_path(source, digest)):
+    for target in _cache_paths(source, digest):
         try:
             save_npz(graph, target)
             return

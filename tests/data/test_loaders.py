@@ -163,3 +163,17 @@ def test_pyg_roundtrip(small_graph):
     back = TemporalGraph.from_pyg(small_graph.to_pyg(), num_nodes=small_graph.num_nodes)
     np.testing.assert_array_equal(back.src, small_graph.src)
     np.testing.assert_array_equal(back.edge_feat, small_graph.edge_feat)
+
+
+def test_user_cache_is_read_back_when_the_source_folder_is_read_only(tmp_path, monkeypatch):
+    from fastopt.data import loaders
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    f = write(tmp_path / "s.txt", "1 2 3\n2 1 4\n")
+    digest = __import__("hashlib").sha256(f.read_bytes()).hexdigest()[:16]
+    beside, user = loaders._cache_paths(f, digest)
+    # only the user cache holds an entry (as after a run whose source folder was read-only)
+    marker = TemporalGraph(np.array([0, 1, 2]), np.array([1, 2, 0]), np.arange(3.0), num_nodes=3)
+    save_npz(marker, user)
+    assert not beside.exists()
+    assert load_file(f).num_events == 3  # served from the user cache, not parsed (2 events)
