@@ -125,6 +125,9 @@ def save_npz(graph: TemporalGraph, path: Union[str, os.PathLike]) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide a shared dataset from others
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -1,4 +1,5 @@
 import gzip
+import os
 
 import numpy as np
 import pytest
@@ -83,6 +84,9 @@ def test_gzip_detected_by_content_not_extension(tmp_path):
 def test_npz_roundtrip_and_cache(tmp_path, small_graph):
     out = tmp_path / "g.npz"
     save_npz(small_graph, out)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as any new file, not mkstemp's 0600
     g = load_file(out)
     np.testing.assert_array_equal(g.src, small_graph.src)
     np.testing.assert_array_equal(g.edge_feat, small_graph.edge_feat)
