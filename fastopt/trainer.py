@@ -394,7 +394,8 @@ def _progress(iterable, desc: str, enabled: bool, total: Optional[int] = None):
         return _Quiet(iterable)
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)
+    # disable=None: bars on a terminal only, so logs and pipes get the per-epoch lines alone
+    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True, disable=None)
 
 
 def _collect(pending, timer) -> EventBatch:
