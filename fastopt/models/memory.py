@@ -57,18 +57,17 @@ class NodeMemory(nn.Module):
         n = sorted_nodes.numel()
         if n == 0:
             return
-        starts = torch.ones(n, dtype=torch.bool, device=nodes.device)
-        starts[1:] = sorted_nodes[1:] != sorted_nodes[:-1]
-        group_start = torch.cummax(torch.where(starts, torch.arange(n, device=nodes.device), 0), 0).values
+        # Work on the batch only (never on all N nodes): group sizes of the sorted ids.
+        uniq, counts = torch.unique_consecutive(sorted_nodes, return_counts=True)
+        group_start = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
         rank = torch.arange(n, device=nodes.device) - group_start  # occurrence index per node
-        per_node = torch.bincount(sorted_nodes, minlength=self.num_nodes)[sorted_nodes]
+        per_node = torch.repeat_interleave(counts, counts)
         keep = rank >= per_node - self.slots  # only the last `slots` mails of each node survive
         kn, kr, ki = sorted_nodes[keep], rank[keep], order.indices[keep]
         slot = (self.mail_count[kn] + kr) % self.slots
         self.mails[kn, slot] = mails[ki]
         self.mail_ts[kn, slot] = times[ki]
-        uniq = torch.unique(sorted_nodes)
-        self.mail_count[uniq] += torch.bincount(sorted_nodes, minlength=self.num_nodes)[uniq]
+        self.mail_count[uniq] += counts
         self.pending[uniq] = True
 
     def latest_mail(self, nodes: torch.Tensor):
