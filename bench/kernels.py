@@ -46,6 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mappings", nargs="*", default=[], metavar="KNOB=V[,KNOB=V]",
                         help="also time the fused op under these thread mappings (config.kernels "
                              "knobs, e.g. rows_per_program=2,num_warps=4)")
+    parser.add_argument("--no-graph", action="store_true",
+                        help="skip the graph-replay timing (device time without host launch gaps)")
+    parser.add_argument("--graph-reps", type=int, default=20,
+                        help="calls captured per CUDA graph in the graph-replay timing")
     parser.add_argument("--profile", action="store_true",
                         help="print the device time of each kernel of the fused forward+backward "
                              "(torch.profiler) for the first shape, to split host from device time")
@@ -112,6 +116,45 @@ class Timer:
             events.append((start, end))
         torch.cuda.synchronize()
         return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+class GraphTimer:
+    """Median milliseconds per call of a CUDA callable replayed from a captured CUDA graph.
+
+    ``fn(i)`` runs one call on input set ``i``; ``reps`` calls cycling over ``sets`` input sets
+    (together larger than the L2 cache, so no call finds its inputs cached by the one before) are
+    captured in one graph, and replays of it are timed with events: the device time of the work
+    without the host's launch gaps, the same way for every implementation compared.
+    """
+
+    def __init__(self, warmup: int, iters: int, reps: int):
+        self.warmup, self.iters, self.reps = warmup, iters, reps
+
+    def __call__(self, fn: Callable[[int], object], sets: int) -> float:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(max(self.warmup, sets)):
+                fn(i % sets)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(self.reps):
+                fn(i % sets)
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(self.iters):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / self.reps)
+        del graph
+        return statistics.median(times)
 
 
 def copy_bandwidth(timer: Timer, nbytes: int = 1 << 30) -> float:
@@ -199,6 +242,88 @@ def run_shape(timer: Timer, rows: int, slots: int, heads: int, dim: int, compile
     return result
 
 
+def run_shape_graph(gtimer: GraphTimer, rows: int, slots: int, heads: int, dim: int,
+                    compile_fns: Dict[str, Callable], bandwidth: float,
+                    mappings: List[str] = ()) -> Dict[str, object]:
+    """Graph-replay device times of fused (deterministic and atomic), eager and compiled chains."""
+    import fastopt.config as fconfig
+
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
+    table_rows = rows * slots // 3
+    set_bytes = forward_bytes(rows, slots, heads, dim, table_rows)
+    count = max(2, min(8, math.ceil(3 * l2 / set_bytes)))
+    sets = [make_inputs(rows, slots, heads, dim, seed=i)[:5] for i in range(count)]
+    grads = [torch.randn_like(s[0]) for s in sets]
+    scale = 1.0 / math.sqrt(dim)
+
+    def forward(fn):
+        def call(i):
+            with torch.no_grad():
+                return fn(*sets[i], scale)
+        return call
+
+    def forward_backward(fn):
+        def call(i):
+            q, k, v, index, mask = sets[i]
+            return torch.autograd.grad(fn(q, k, v, index, mask, scale), (q, k, v), grads[i])
+        return call
+
+    result: Dict[str, object] = {"M": rows, "d": dim, "input_sets": count}
+    with fconfig.patch(kernels__check_inputs=False):
+        result["fused_fwd_ms"] = gtimer(forward(fused), count)
+        for mode in ("deterministic", "atomic"):
+            name = "fused" if mode == "deterministic" else "fused_atomic"
+            with fconfig.patch(kernels__backward_mode=mode):
+                result[f"{name}_fwdbwd_ms"] = gtimer(forward_backward(fused), count)
+        result["mappings"] = []
+        for text in mappings:
+            knobs = parse_mapping(text)
+            with fconfig.patch(**{f"kernels__{k}": v for k, v in knobs.items()}):
+                entry = dict(knobs=knobs, fused_fwd_ms=gtimer(forward(fused), count))
+                for mode in ("deterministic", "atomic"):
+                    with fconfig.patch(kernels__backward_mode=mode):
+                        entry[f"{mode}_fwdbwd_ms"] = gtimer(forward_backward(fused), count)
+            result["mappings"].append(entry)
+    for name, fn in {"eager": eager_chain, **compile_fns}.items():
+        for stage, wrap in (("fwd", forward), ("fwdbwd", forward_backward)):
+            try:
+                result[f"{name}_{stage}_ms"] = gtimer(wrap(fn), count)
+            except Exception as exc:  # a baseline that cannot be captured is reported, not fatal
+                result[f"{name}_{stage}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    nbytes = forward_bytes(rows, slots, heads, dim, table_rows)
+    result["fused_fwd_fraction_of_copy"] = nbytes / (result["fused_fwd_ms"] * 1e-3) / bandwidth
+    for base in ("eager", "compile"):
+        if f"{base}_fwdbwd_ms" in result:
+            result[f"speedup_fwdbwd_vs_{base}"] = result[f"{base}_fwdbwd_ms"] / result["fused_fwdbwd_ms"]
+            result[f"speedup_atomic_fwdbwd_vs_{base}"] = (result[f"{base}_fwdbwd_ms"]
+                                                         / result["fused_atomic_fwdbwd_ms"])
+            result[f"speedup_fwd_vs_{base}"] = result[f"{base}_fwd_ms"] / result["fused_fwd_ms"]
+    return result
+
+
+def print_graph_table(rows: List[Dict[str, object]]) -> None:
+    header = ["M", "d", "fused fwd", "eager fwd", "compile fwd", "fused f+b", "atomic f+b",
+              "eager f+b", "compile f+b", "x eager f+b", "x compile f+b", "fwd % copy BW"]
+    print("graph replay (device time per call, launch gaps removed):")
+    print(" | ".join(f"{h:>12}" for h in header))
+    nan = float("nan")
+    for r in rows:
+        cells = [r["M"], r["d"], r["fused_fwd_ms"], r.get("eager_fwd_ms", nan),
+                 r.get("compile_fwd_ms", nan), r["fused_fwdbwd_ms"], r["fused_atomic_fwdbwd_ms"],
+                 r.get("eager_fwdbwd_ms", nan), r.get("compile_fwdbwd_ms", nan),
+                 r.get("speedup_fwdbwd_vs_eager", nan), r.get("speedup_fwdbwd_vs_compile", nan),
+                 100 * r["fused_fwd_fraction_of_copy"]]
+        print(" | ".join(f"{c:>12}" if isinstance(c, int) else f"{c:>12.4f}" for c in cells))
+        for entry in r.get("mappings", []):
+            knobs = ",".join(f"{k}={v}" for k, v in entry["knobs"].items())
+            print(f"  mapping {knobs:>36}: fused fwd {entry['fused_fwd_ms']:.4f} ms, f+b "
+                  f"{entry['deterministic_fwdbwd_ms']:.4f} ms, atomic f+b "
+                  f"{entry['atomic_fwdbwd_ms']:.4f} ms")
+        for key, value in r.items():
+            if key.endswith("_error"):
+                print(f"  M={r['M']} d={r['d']} {key}: {value}")
+
+
 def profile_fused(rows: int, slots: int, heads: int, dim: int, iters: int = 20) -> None:
     """Device time per kernel of the fused forward+backward against the wall time per call."""
     import time
@@ -275,6 +400,14 @@ def main(argv=None) -> int:
                          args.mappings)
                for d in args.dims for m in args.rows]
     print_table(results, bandwidth)
+    graph_results = []
+    if not args.no_graph:
+        gtimer = GraphTimer(args.warmup, max(10, args.iters // 5), args.graph_reps)
+        compile_fns = {} if args.no_compile else {"compile": torch.compile(eager_chain)}
+        graph_results = [run_shape_graph(gtimer, m, args.slots, args.heads, d, compile_fns,
+                                         bandwidth, args.mappings)
+                         for d in args.dims for m in args.rows]
+        print_graph_table(graph_results)
     if args.profile:
         profile_fused(args.rows[0], args.slots, args.heads, args.dims[0])
     record = {
@@ -291,6 +424,7 @@ def main(argv=None) -> int:
         "iters": args.iters,
         "l2_flushed": not args.no_flush,
         "results": results,
+        "graph_replay": {"calls_per_graph": args.graph_reps, "results": graph_results},
     }
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
