@@ -2,22 +2,43 @@
 
 For TGN's sampling stream (1 layer x 10 most recent neighbors; tables: 172-d edge features and
 100-d read-write node memory) and TGAT's (2 layers x 10 uniform; table: 172-d edge features),
-one training epoch (the chronological 70 % train split, batches of ``--batch-size`` positive
-events, roots = sources, destinations and one random negative destination each) is sampled once
-and replayed through a real :class:`~fastopt.runtime.SlimCache` per policy and budget. Budgets
-are fractions of each table's rows. Reported per table:
+one training epoch is sampled once and replayed through a real :class:`~fastopt.runtime.SlimCache`
+per policy and budget. Budgets are fractions of each table's rows.
 
-* bytes host->device against the naive path (every sampled row, duplicates included) and the
-  dedup-only path (every unique row of a batch, no cache);
+The stream (defaults = issue 6's definition, which is TGL's training loop):
+
+* the chronological 70 % train split in batches of ``--batch-size`` (600) positive events;
+  roots = sources, destinations and one negative destination per event, all at the event's time;
+* events are neighbors of both endpoints (reverse edges); a neighbor is an event strictly before
+  the root's time; ``uniform`` returns all candidates when there are at most ``k``, else ``k``
+  draws with replacement (TGL's rule);
+* ``--negatives all`` (default): negatives uniform over every node id, as TGL's ``NegLinkSampler``
+  draws them and as issue 6's simulated figures assume; ``destinations``: uniform over the nodes
+  seen as destinations, as fastopt's :class:`~fastopt.Trainer` draws them;
+* ``--layout tgl`` (default): hop ``l + 1`` samples around hop ``l``'s valid neighbors (at their
+  edges' times) *and* hop ``l``'s own nodes (at their times), as TGL's sampler does (its next hop's
+  destinations are the previous block's sources, roots included); ``fastopt``: around the
+  neighbors only, as :class:`~fastopt.sampling.NumpySampler` does (fastopt's TGAT reuses hop 1's
+  sample for the roots' own lower-layer embedding). The two differ only for more than one layer.
+
+Counted rows (the naive path is what TGL's ``prepare_input`` copies): every *valid* sampled edge's
+feature row of every hop, duplicates included, padding never; the memory table's rows are the
+roots and every valid sampled neighbor node. Reported per table:
+
+* bytes host->device against the naive path and the dedup-only path (every unique row of a
+  batch, no cache);
 * hit rate over unique rows against the offline Belady optimum of the same stream;
 * for read-write memory, whether the host copy after the epoch equals an all-on-device run (the
   same updates on one plain tensor on ``--device``; float32 ``tanh`` differs in the last bits
   between the CPU and CUDA, so the reference must run where the cache's updates run);
 * with ``--device cuda``, transfer time per epoch against the naive path.
 
+``bench/slimcache_sim.py`` recomputes the same counts with plain NumPy, independently of fastopt.
+
 Usage::
 
     python bench/slimcache.py --json out.json [--datasets wikipedia ...] [--max-events N]
+        [--negatives all|destinations] [--layout tgl|fastopt]
 """
 
 from __future__ import annotations
@@ -40,6 +61,7 @@ import torch
 from fastopt.config import CacheConfig
 from _meta import git_commit
 from fastopt.data import load_dataset
+from fastopt.errors import ConfigError
 from fastopt.runtime import CacheTable, SlimCache, Unique, belady_optimum
 from fastopt.sampling import NumpySampler
 
@@ -50,6 +72,8 @@ POLICIES = ["static", "lru", "future", "auto"]
 EDGE_DIM, MEMORY_DIM = 172, 100
 STREAMS = {"tgn": ([10], "recent"), "tgat": ([10, 10], "uniform")}
 TARGETS = {"tgn": 15.0, "tgat": 14.0}  # issue 6: x fewer bytes than naive at 10 %, future policy
+NEGATIVES = ["all", "destinations"]
+LAYOUTS = ["tgl", "fastopt"]
 
 
 @dataclass
@@ -67,11 +91,66 @@ def dataset_path(name: str) -> str:
     return str(hits[0]) if hits else name
 
 
-def sample_epoch(graph, stream: str, batch_size: int, max_events: int, seed: int) -> EpochStream:
+def negative_pool(graph, rule: str) -> np.ndarray:
+    """Node ids negatives are drawn from, uniformly: every id (TGL) or the seen destinations (Trainer)."""
+    if rule == "all":
+        return np.arange(graph.num_nodes, dtype=np.int64)
+    if rule == "destinations":
+        return graph.destination_pool()
+    raise ConfigError(f"negatives must be one of {NEGATIVES} (got {rule!r}); pass --negatives all "
+                      f"for TGL's rule or destinations for the Trainer's")
+
+
+class TglHops:
+    """TGL's multi-hop sampling: hop ``l + 1`` samples around hop ``l``'s valid neighbors and nodes.
+
+    Each hop uses the reference sampler's one-layer semantics; ``sample`` returns the valid edge
+    ids and the nodes (roots, then every valid neighbor) of all hops, duplicates included.
+    """
+
+    def __init__(self, graph, fanouts, strategy: str, seed: int) -> None:
+        self.fanouts = list(fanouts)
+        # One single-layer sampler per width; its draws are keyed by (seed, epoch, call), so
+        # successive hops and batches never reuse a draw.
+        self.samplers = {k: NumpySampler(graph, fanouts=[k], strategy=strategy, seed=seed)
+                         for k in set(self.fanouts)}
+
+    def sample(self, roots: np.ndarray, times: np.ndarray) -> tuple:
+        nodes, at = roots, times
+        eids, seen = [], [torch.from_numpy(roots)]
+        for k in self.fanouts:
+            block = self.samplers[k].sample(nodes, at).blocks[0]
+            mask = block.mask
+            eids.append(block.nbr_eids[mask])
+            nbr = block.nbr_nodes[mask]
+            seen.append(nbr)
+            nodes = np.concatenate([nbr.numpy(), nodes])
+            at = np.concatenate([block.nbr_times[mask].numpy(), at])
+        return torch.cat(eids), torch.cat(seen)
+
+
+def sample_batch_ids(sampler, layout: str, roots: np.ndarray, times: np.ndarray) -> tuple:
+    """(edge ids, node ids) one batch reads, -1 where padded."""
+    if layout == "tgl":
+        return sampler.sample(roots, times)
+    batch = sampler.sample(roots, times)
+    nodes = [torch.from_numpy(roots)] + [torch.where(b.mask, b.nbr_nodes, -1).reshape(-1)
+                                         for b in batch.blocks]
+    return torch.cat([b.nbr_eids.reshape(-1) for b in batch.blocks]), torch.cat(nodes)
+
+
+def sample_epoch(graph, stream: str, batch_size: int, max_events: int, seed: int,
+                 negatives: str = "all", layout: str = "tgl") -> EpochStream:
     fanouts, strategy = STREAMS[stream]
-    sampler = NumpySampler(graph, fanouts=fanouts, strategy=strategy, seed=seed)
+    if layout == "tgl":
+        sampler = TglHops(graph, fanouts, strategy, seed)
+    elif layout == "fastopt":
+        sampler = NumpySampler(graph, fanouts=fanouts, strategy=strategy, seed=seed)
+    else:
+        raise ConfigError(f"layout must be one of {LAYOUTS} (got {layout!r}); pass --layout tgl for "
+                          f"TGL's hops or fastopt for the reference sampler's")
     rng = np.random.default_rng(seed)
-    pool = graph.destination_pool()
+    pool = negative_pool(graph, negatives)
     end = graph.train_end if max_events <= 0 else min(graph.train_end, max_events)
     out = EpochStream(["edge_feat", "memory"] if stream == "tgn" else ["edge_feat"])
     start_time = time.perf_counter()
@@ -79,11 +158,14 @@ def sample_epoch(graph, stream: str, batch_size: int, max_events: int, seed: int
         stop = min(start + batch_size, end)
         src, dst, ts = graph.src[start:stop], graph.dst[start:stop], graph.ts[start:stop]
         neg = rng.choice(pool, stop - start)
-        batch = sampler.sample(np.concatenate([src, dst, neg]), np.concatenate([ts, ts, ts]))
+        eids, nodes = sample_batch_ids(sampler, layout, np.concatenate([src, dst, neg]),
+                                       np.concatenate([ts, ts, ts]))
         # int32 inverses keep a whole epoch in memory; the cache widens them when it packs.
-        item = {"edge_feat": Unique(batch.unique_eids.values, batch.unique_eids.inverse.int())}
+        unique = Unique.of(eids)
+        item = {"edge_feat": Unique(unique.values, unique.inverse.int())}
         if stream == "tgn":
-            item["memory"] = Unique(batch.unique_nodes.values, batch.unique_nodes.inverse.int())
+            unique = Unique.of(nodes)
+            item["memory"] = Unique(unique.values, unique.inverse.int())
             out.writes.append(torch.unique(torch.from_numpy(np.concatenate([src, dst]))))
         out.batches.append(item)
     out.sample_seconds = time.perf_counter() - start_time
@@ -196,7 +278,8 @@ def run(args) -> dict:
     report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine(), "commit": git_commit(),
               "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-              "batch_size": args.batch_size, "torch_threads": torch.get_num_threads(), "max_events": args.max_events, "device": args.device,
+              "batch_size": args.batch_size, "negatives": args.negatives, "layout": args.layout,
+              "seed": args.seed, "torch_threads": torch.get_num_threads(), "max_events": args.max_events, "device": args.device,
               "edge_dim": EDGE_DIM, "memory_dim": MEMORY_DIM, "results": rows}
     for name in args.datasets:
         graph = load_dataset(dataset_path(name), edge_dim=EDGE_DIM, seed=0)
@@ -204,7 +287,8 @@ def run(args) -> dict:
         memory = torch.randn(graph.num_nodes, MEMORY_DIM, generator=torch.Generator().manual_seed(0))
         limited = 0 < args.max_events < graph.train_end
         for stream in args.streams:
-            epoch = sample_epoch(graph, stream, args.batch_size, args.max_events, seed=0)
+            epoch = sample_epoch(graph, stream, args.batch_size, args.max_events, seed=args.seed,
+                                 negatives=args.negatives, layout=args.layout)
             print(f"# {name} {stream}: {len(epoch.batches)} batches sampled in "
                   f"{epoch.sample_seconds:.1f} s" + (f" (first {args.max_events} events only)"
                                                      if limited else ""), flush=True)
@@ -299,6 +383,13 @@ def main(argv=None) -> None:
     parser.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES)
     parser.add_argument("--batch-size", type=int, default=600,
                         help="positive events per batch (issue 6's figures use 600)")
+    parser.add_argument("--negatives", default="all", choices=NEGATIVES,
+                        help="negatives uniform over every node id (TGL, issue 6) or over the "
+                             "nodes seen as destinations (fastopt's Trainer)")
+    parser.add_argument("--layout", default="tgl", choices=LAYOUTS,
+                        help="hop l+1 around hop l's neighbors and nodes (TGL) or its neighbors "
+                             "only (fastopt's sampler)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of negatives and uniform draws")
     parser.add_argument("--max-events", type=int, default=0,
                         help="use only the first N training events (0 = the whole train split)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda to also time transfers")
