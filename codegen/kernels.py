@@ -84,8 +84,8 @@ _SPECIALIZED: Dict[tuple, _Specialized] = {}
 
 def _knobs() -> tuple:
     knobs = default_config().kernels
-    return (knobs.rows_per_program, knobs.heads_per_program, knobs.block_k, knobs.num_warps,
-            knobs.num_stages, knobs.cache_dir)
+    return (knobs.rows_per_program, knobs.block_m, knobs.heads_per_program, knobs.block_k,
+            knobs.num_warps, knobs.num_stages, knobs.cache_dir)
 
 
 def _kernel(family: str, device: torch.device, problem: Tuple[int, int, int],
@@ -99,7 +99,7 @@ def _kernel(family: str, device: torch.device, problem: Tuple[int, int, int],
     hit = _SPECIALIZED.get(key)
     if hit is None:
         cfg = heuristic_config(*problem, _capability(device))
-        source = render(family, rows=cfg.rows_per_program, block_k=cfg.block_k,
+        source = render(family, rows=cfg.rows_per_program, block_m=cfg.block_m, block_k=cfg.block_k,
                         block_d=cfg.block_d, block_h=cfg.heads_per_program, **derive(cfg), **spec)
         fn = kernel_cache().load(CacheKey.build(family, source, cfg, device), source)
         hit = _SPECIALIZED[key] = _Specialized(fn, cfg)
@@ -142,17 +142,14 @@ def _dropout_args(dropout_p: float) -> Tuple[int, float]:
 
 
 def _attention_spec(q: Tensor, k: Tensor, v: Tensor, mask, indptr, k_index, v_index,
-                    dropout_p: float, time_dim: int, stage: str) -> dict:
+                    dropout_p: float, time_dim: int, stage: str, seed=0) -> dict:
     rows, heads, dim = q.shape
     slots = (k_index if k_index is not None else k).shape[1]
     return dict(stage=stage, K=slots, H=heads, D=dim, dtype=_TL_DTYPES[q.dtype],
                 acc=_TL_DTYPES[_acc_dtype(q.dtype)], mask_form=_mask_form(mask, indptr),
                 k_indexed=k_index is not None, v_indexed=v_index is not None,
-                dropout=dropout_p > 0.0, dropout_bits=reference.DROPOUT_BITS, time_dim=time_dim)
-
-
-def _k_blocks(spec: dict) -> Callable[[KernelConfig], dict]:
-    return lambda cfg: {"k_blocks": -(-spec["K"] // cfg.block_k)}
+                dropout=dropout_p > 0.0, dropout_bits=reference.DROPOUT_BITS, time_dim=time_dim,
+                seed_in_memory=isinstance(seed, Tensor))
 
 
 def _time_args(time: Optional[Tuple[Tensor, ...]]) -> Tuple[Tensor, ...]:
@@ -163,14 +160,14 @@ def _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p
                        time: Optional[Tuple[Tensor, ...]]) -> Tuple[Tensor, Tensor]:
     rows, heads, dim = q.shape
     spec = _attention_spec(q, k, v, mask, indptr, k_index, v_index, dropout_p,
-                           time[1].shape[0] if time is not None else 0, "forward")
-    kernel = _kernel("temporal_attention", q.device, (spec["K"], heads, dim), _k_blocks(spec),
+                           time[1].shape[0] if time is not None else 0, "forward", seed)
+    kernel = _kernel("temporal_attention", q.device, (spec["K"], heads, dim),
                      backward_mode="", write_coef=False, **spec)
     out = _empty_like(q)
     lse = _empty((rows, heads), _acc_dtype(q.dtype), q.device)
     mask_arg, indptr_arg = _mask_arg(mask, indptr, q)
     threshold, drop_scale = _dropout_args(dropout_p)
-    kernel.launch(kernel.cfg.grid(rows, heads), q, k, v, mask_arg, indptr_arg,
+    kernel.launch(kernel.cfg.tile_grid(rows, heads), q, k, v, mask_arg, indptr_arg,
                   k_index if k_index is not None else q, v_index if v_index is not None else q,
                   *_time_args(time), out, lse, rows, scale, seed, threshold, drop_scale)
     return out, lse
@@ -182,12 +179,11 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
     rows, heads, dim = q.shape
     mode = default_config().kernels.backward_mode
     spec = _attention_spec(q, k, v, mask, indptr, k_index, v_index, dropout_p,
-                           time[1].shape[0] if time is not None else 0, "backward")
+                           time[1].shape[0] if time is not None else 0, "backward", seed)
     slots = spec["K"]
     indexed = k_index is not None or v_index is not None
     write_coef = time is not None or (indexed and mode == "deterministic")
-    kernel = _kernel("temporal_attention", q.device, (slots, heads, dim), _k_blocks(spec),
-                     backward_mode=mode, write_coef=write_coef, grad_dtype=spec["dtype"], **spec)
+    kernel = _kernel("temporal_attention", q.device, (slots, heads, dim), backward_mode=mode, write_coef=write_coef, grad_dtype=spec["dtype"], **spec)
     acc = _acc_dtype(q.dtype)
     dq = _empty_like(q)
 
@@ -206,7 +202,7 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
         ds_coef = pd_coef = q  # unused by a kernel generated without write_coef
     mask_arg, indptr_arg = _mask_arg(mask, indptr, q)
     threshold, drop_scale = _dropout_args(dropout_p)
-    kernel.launch(kernel.cfg.grid(rows, heads), q, k, v, mask_arg, indptr_arg,
+    kernel.launch(kernel.cfg.tile_grid(rows, heads), q, k, v, mask_arg, indptr_arg,
                   k_index if k_index is not None else q, v_index if v_index is not None else q,
                   *_time_args(time), out, grad_out, lse, dq, dk, dv, ds_coef, pd_coef, rows,
                   scale, seed, threshold, drop_scale)
@@ -294,10 +290,11 @@ def time_encoded_attention_backward(grad_out, q, k, v, dt, time_w, time_b, k_tim
 class _Segments:
     """Slots grouped by table row (sorted permutation + CSR offsets), shared by k and v.
 
-    One stable sort of the flattened index (int32 keys when the table allows: half the radix
-    passes of int64) and a ``searchsorted`` of the row ids into the sorted keys give the inverse
-    index as CSR, all on the device and without a host synchronization (``bincount`` on CUDA
-    would read its maximum back to size the result).
+    One stable sort of the flattened index and a ``searchsorted`` of the row ids into the sorted
+    keys give the inverse index as CSR, all on the device and without a host synchronization
+    (``bincount`` on CUDA would read its maximum back to size the result). Keys are as narrow as
+    the table allows, since the radix sort makes one pass per key byte: int16 up to 65,536 rows
+    (shifted by -32,768 above 32,768, which keeps the order), int32 below 2**31, int64 beyond.
     """
 
     def __init__(self):
@@ -306,32 +303,40 @@ class _Segments:
     def of(self, index: Tensor, table_rows: int) -> Tuple[Tensor, Tensor]:
         key = (index.data_ptr(), tuple(index.shape), table_rows)
         if key not in self._cache:
+            key_dtype, shift = _sort_keys(table_rows)
             flat = index.reshape(-1)
-            key_dtype = torch.int32 if table_rows < 2**31 - 1 else torch.int64
-            sorted_rows, perm = torch.sort(flat.to(key_dtype), stable=True)
-            segptr = torch.searchsorted(sorted_rows, _row_ids(table_rows + 1, index.device,
-                                                              key_dtype))
+            keys = (flat - shift if shift else flat).to(key_dtype)
+            sorted_keys, perm = torch.sort(keys, stable=True)
+            segptr = torch.empty(table_rows + 1, dtype=torch.int64, device=index.device)
+            segptr[:1].zero_()
+            # segptr[u + 1] = number of slots whose row is <= u
+            torch.searchsorted(sorted_keys, _row_ids(table_rows, index.device, key_dtype, shift),
+                               right=True, out=segptr[1:])
             self._cache[key] = (perm, segptr)
         return self._cache[key]
 
 
-# 0, 1, 2, ... per (device, dtype), grown on demand: one arange launch saved per backward.
+def _sort_keys(table_rows: int) -> Tuple[torch.dtype, int]:
+    """Narrowest sort-key dtype for row ids ``0 .. table_rows - 1`` and the shift that fits them."""
+    if table_rows <= 1 << 15:
+        return torch.int16, 0
+    if table_rows <= 1 << 16:
+        return torch.int16, 1 << 15
+    return (torch.int32, 0) if table_rows < 2**31 else (torch.int64, 0)
+
+
+# row ids - shift, per (device, dtype, shift), grown on demand: one arange launch saved per backward.
 _ROW_IDS: Dict[tuple, Tensor] = {}
 
 
-def _row_ids(count: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    ids = _ROW_IDS.get((device, dtype))
+def _row_ids(count: int, device: torch.device, dtype: torch.dtype, shift: int = 0) -> Tensor:
+    ids = _ROW_IDS.get((device, dtype, shift))
     if ids is None or ids.numel() < count:
-        size = max(count, 2 * ids.numel()) if ids is not None else count
-        ids = _ROW_IDS[(device, dtype)] = torch.arange(size, device=device, dtype=dtype)
+        limit = torch.iinfo(dtype).max + shift + 1
+        size = min(limit, max(count, 2 * ids.numel())) if ids is not None else count
+        ids = _ROW_IDS[(device, dtype, shift)] = (
+            torch.arange(size, device=device, dtype=torch.int64) - shift).to(dtype)
     return ids[:count]
-
-
-def _segment_block(cfg: KernelConfig, heads: int, dim: int) -> dict:
-    # Segments average M*K/U slots (about 3 for SlimCache tables): a short slot block keeps lanes
-    # busy, while the loop still takes any longer segment.
-    lanes = next_power_of_2(cfg.heads_per_program * dim)
-    return {"block_s": max(1, min(8, cfg.block_k, 8192 // lanes))}
 
 
 def segment_reduce(terms: Sequence[Tuple[Tensor, Tensor]], index: Tensor, table_rows: int,
@@ -358,13 +363,12 @@ def segment_reduce(terms: Sequence[Tuple[Tensor, Tensor]], index: Tensor, table_
     rows, heads, dim = terms[0][1].shape
     slots = index.shape[1]
     perm, segptr = (segments or _Segments()).of(index, table_rows)
-    kernel = _kernel("segment_reduce", index.device, (slots, heads, dim),
-                     lambda cfg: _segment_block(cfg, heads, dim), K=slots, H=heads, D=dim,
+    kernel = _kernel("segment_reduce", index.device, (slots, heads, dim), K=slots, H=heads, D=dim,
                      dtype=_TL_DTYPES[dtype], acc=_TL_DTYPES[terms[0][0].dtype],
                      pair=len(terms) == 2)
     outs = tuple(_empty((table_rows, heads, dim), dtype, index.device) for _ in terms)
     args = [a for (coef, x), out in zip(terms, outs) for a in (coef, x, out)]
-    kernel.launch(kernel.cfg.grid(table_rows, heads), *args, perm, segptr, table_rows)
+    kernel.launch(kernel.cfg.tile_grid(table_rows, heads), *args, perm, segptr, table_rows)
     return outs
 
 

@@ -87,6 +87,8 @@ class KernelsConfig:
     enabled: bool = True
     # destination rows handled by one program (thread-mapping knob)
     rows_per_program: int = 0
+    # rows held side by side in one attention/reduction tile (power of two); 0 = heuristic
+    block_m: int = 0
     # heads handled by one program; 0 = all heads
     heads_per_program: int = 0
     # neighbor slots per tile (power of two); 0 = heuristic (covers K when the tile fits)
@@ -111,6 +113,11 @@ class KernelsConfig:
 class PassesConfig:
     # fuse attention whose dropout is active (training) into the kernel's own Philox dropout
     fuse_dropout: bool = True
+    # CUDA graphs of the optimized forward+backward: "auto" (capture a call signature on its second
+    # CUDA call), "on" (capture on the first) or "off"
+    cuda_graphs: str = "auto"
+    # captured forward/backward graph pairs kept per captured module (least recently used go first)
+    max_graphs: int = 8
 
 
 @dataclass
@@ -221,9 +228,14 @@ class Config:
                self.kernels.backward_mode, "'deterministic' or 'atomic'")
         _check(self.kernels.backend in ("auto", "triton", "reference"), "kernels.backend",
                self.kernels.backend, "one of 'auto', 'triton', 'reference'")
-        for knob in ("rows_per_program", "heads_per_program", "block_k", "num_warps", "num_stages"):
+        for knob in ("rows_per_program", "block_m", "heads_per_program", "block_k", "num_warps",
+                     "num_stages"):
             value = getattr(self.kernels, knob)
             _check(value >= 0, f"kernels.{knob}", value, ">= 0 (0 = heuristic)")
+        _check(self.passes.cuda_graphs in ("auto", "on", "off"), "passes.cuda_graphs",
+               self.passes.cuda_graphs, "one of 'auto', 'on', 'off'")
+        _check(self.passes.max_graphs >= 1, "passes.max_graphs", self.passes.max_graphs,
+               ">= 1 (use passes.cuda_graphs='off' to capture none)")
         _check(self.pipeline.prefetch_depth >= 0, "pipeline.prefetch_depth", self.pipeline.prefetch_depth, ">= 0")
         _check(self.train.epochs >= 1, "train.epochs", self.train.epochs, ">= 1")
         _check(self.train.batch_size >= 1, "train.batch_size", self.train.batch_size, ">= 1")

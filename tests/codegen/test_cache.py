@@ -114,7 +114,7 @@ def test_describe_explains_a_miss(tmp_path):
 
 def test_generated_kernels_are_named_by_family_and_hash(kernel_cache_dir):
     source = kernels.render("segment_reduce", K=3, H=2, D=5, dtype="tl.float32", acc="tl.float32",
-                            block_s=4, rows=1, block_h=2, block_d=8, pair=False)
+                            block_m=4, rows=1, block_h=2, block_d=8, pair=False)
     assert f"def {KERNEL_NAME_PLACEHOLDER}(" in source
     assert "{{" not in source and "{%" not in source
     key = CacheKey.build("segment_reduce", source, KernelConfig(), torch.device("cpu"))

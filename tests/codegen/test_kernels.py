@@ -219,13 +219,26 @@ def test_gradcheck_through_kernels(device):
     dict(kernels__heads_per_program=1),
     dict(kernels__heads_per_program=2, kernels__rows_per_program=3),
     dict(kernels__rows_per_program=2, kernels__block_k=4, kernels__num_warps=2),
-], ids=["one-head-per-program", "head-pairs-three-rows", "two-rows-k-blocks-of-4"])
+    dict(kernels__block_m=2, kernels__rows_per_program=3, kernels__heads_per_program=2),
+    dict(kernels__block_m=1),
+], ids=["one-head-per-program", "head-pairs-three-rows", "two-rows-k-blocks-of-4",
+        "row-tiles-of-2-three-per-program", "one-row-tiles"])
 def test_thread_mappings_agree(knobs, device):
     """Split heads, several rows per program and several slot blocks give the same results."""
     case = (7, 10, 4, 50, "mask", "indexed", "indexed", 0.2, "deterministic")
     tensors, kwargs = _attention_inputs(case, device)
     kwargs.update(dropout_p=0.2, seed=3)
     with fconfig.patch(**knobs):
+        _check_against_reference(cg.temporal_attention, reference.temporal_attention, tensors,
+                                 kwargs)
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "atomic"])
+def test_more_slots_than_the_unrolled_loop(mode, device):
+    """K above 32 runs the slot loop as a loop rather than unrolled: same results."""
+    case = (5, 40, 2, 16, "mask", "indexed", "indexed", 0.0, mode)
+    tensors, kwargs = _attention_inputs(case, device)
+    with fconfig.patch(kernels__backward_mode=mode):
         _check_against_reference(cg.temporal_attention, reference.temporal_attention, tensors,
                                  kwargs)
 
@@ -243,3 +256,21 @@ def test_keys_and_values_sharing_one_index(mode, device):
     with fconfig.patch(kernels__backward_mode=mode):
         _check_against_reference(cg.temporal_attention, reference.temporal_attention, (q, k, v),
                                  kwargs)
+
+
+@pytest.mark.parametrize("table_rows", [7, 1 << 15, (1 << 15) + 1, 1 << 16, (1 << 16) + 1])
+def test_segments_group_slots_by_row_in_slot_order(table_rows):
+    """The inverse index (stable sort + CSR) for every sort-key width: int16, shifted int16, int32."""
+    from fastopt.codegen import kernels
+
+    gen = torch.Generator().manual_seed(table_rows)
+    index = torch.randint(0, table_rows, (50, 10), generator=gen)
+    index[0, :3] = torch.tensor([0, table_rows - 1, table_rows - 1])
+    perm, segptr = kernels._Segments().of(index, table_rows)
+    flat = index.reshape(-1)
+    assert segptr.shape == (table_rows + 1,) and int(segptr[0]) == 0
+    assert int(segptr[-1]) == flat.numel()
+    counts = torch.bincount(flat, minlength=table_rows)
+    assert torch.equal(segptr[1:] - segptr[:-1], counts)
+    expected = torch.argsort(flat, stable=True)
+    assert torch.equal(perm, expected)
