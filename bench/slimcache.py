@@ -270,6 +270,7 @@ def machine() -> dict:
         pass
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
+    info["summary"] = f"{info['cpus']}-core CPU, " + (info["gpu"] if "gpu" in info else "no GPU")
     return info
 
 
