@@ -3,7 +3,7 @@
 Public surface (stable signatures; the fx passes rewrite onto these):
 
 - :func:`temporal_attention` ``(q, k, v, mask=None, indptr=None, *, k_index=None, v_index=None,
-  scale=None, dropout_p=0.0, seed=0)``
+  scale=None, dropout_p=0.0, seed=0)``; ``seed`` may be a device tensor (:func:`dropout_seed`)
 - :func:`time_encoded_attention` ``(q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj,
   mask=None, indptr=None, *, k_index=None, v_index=None, scale=None, dropout_p=0.0, seed=0)``
 - :func:`masked_aggregate` ``(x, mask=None, indptr=None, *, index=None, reduce="mean")``
@@ -22,6 +22,7 @@ Layering: imports nothing of fastopt but :mod:`fastopt.config` and :mod:`fastopt
 
 from fastopt.codegen import reference
 from fastopt.codegen.ops import (
+    dropout_seed,
     masked_aggregate,
     select_backend,
     temporal_attention,
@@ -31,6 +32,7 @@ from fastopt.codegen.ops import (
 
 __all__ = [
     "temporal_attention",
+    "dropout_seed",
     "time_encoded_attention",
     "masked_aggregate",
     "time_encode",

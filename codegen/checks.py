@@ -140,7 +140,7 @@ def _valid_form(mask: Optional[Tensor], indptr: Optional[Tensor], layout: Neighb
 
 def check_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                     indptr: Optional[Tensor], k_index: Optional[Tensor], v_index: Optional[Tensor],
-                    scale: Optional[float], dropout_p: float, seed: int) -> NeighborLayout:
+                    scale: Optional[float], dropout_p: float, seed) -> NeighborLayout:
     """Validate the arguments of :func:`fastopt.codegen.temporal_attention`."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _is_tensor(name, t)
@@ -168,9 +168,21 @@ def check_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
         raise KernelError(f"scale must be a finite float (got {scale!r}); omit it for 1/sqrt(d)")
     if not 0.0 <= float(dropout_p) < 1.0:
         raise KernelError(f"dropout_p must be in [0, 1) (got {dropout_p}); use 0.0 to disable dropout")
-    if not (isinstance(seed, int) and 0 <= seed < MAX_SEED):
+    if isinstance(seed, Tensor):
+        _seed_tensor(seed, q)
+    elif not (isinstance(seed, int) and 0 <= seed < MAX_SEED):
         raise KernelError(f"seed must be an int in [0, 2**31) (got {seed!r}); reduce it modulo 2**31")
     return layout
+
+
+def _seed_tensor(seed: Tensor, q: Tensor) -> None:
+    """A dropout key held in device memory: one int32/int64 element on q's device (value unread)."""
+    if seed.dtype not in INDEX_DTYPES or seed.numel() != 1:
+        raise KernelError(
+            f"a tensor seed must hold one int32/int64 element (got dtype {seed.dtype}, shape "
+            f"{tuple(seed.shape)}); pass torch.randint(0, 2**31 - 1, (1,), device=q.device)"
+        )
+    _same_device(q, seed=seed)
 
 
 def check_time_encode(dt: Tensor, w: Tensor, b: Tensor) -> None:

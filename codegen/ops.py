@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -40,6 +40,7 @@ from fastopt.errors import KernelError
 
 __all__ = [
     "temporal_attention",
+    "dropout_seed",
     "time_encoded_attention",
     "masked_aggregate",
     "time_encode",
@@ -178,6 +179,18 @@ def _eager_kernels(*tensors: Optional[Tensor]) -> bool:
     return select_backend(tensors[0]) == "triton"
 
 
+def dropout_seed(like: Tensor) -> Union[int, Tensor]:
+    """A fresh dropout key for a :func:`temporal_attention` call on tensors like ``like``.
+
+    Where the eager kernels run (see :func:`_eager_kernels`), a one-element int64 tensor drawn by
+    the generator of ``like``'s device: no host round trip, and a CUDA graph that captured the
+    draw draws a new key on every replay. Elsewhere an int drawn by torch's default CPU generator.
+    """
+    if _eager_kernels(like):
+        return torch.randint(0, checks.MAX_SEED - 1, (1,), device=like.device)
+    return int(torch.randint(0, checks.MAX_SEED - 1, (1,)).item())
+
+
 def temporal_attention(
     q: Tensor,
     k: Tensor,
@@ -189,7 +202,7 @@ def temporal_attention(
     v_index: Optional[Tensor] = None,
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
-    seed: int = 0,
+    seed: Union[int, Tensor] = 0,
 ) -> Tensor:
     """Fused temporal attention: gather neighbors, score, edge softmax, weighted sum.
 
@@ -204,7 +217,10 @@ def temporal_attention(
         v_index: Table rows of the values ``[M, K]`` (int32/int64).
         scale: Score scale; default ``1 / sqrt(d)``.
         dropout_p: Probability of dropping an attention weight; kept weights scale by ``1/(1-p)``.
-        seed: Philox key of the dropout draws, ``0 <= seed < 2**31``; one seed, one mask.
+        seed: Philox key of the dropout draws, ``0 <= seed < 2**31``; one seed, one mask. Or a
+            one-element int tensor on ``q``'s device holding the key: the eager kernels read it
+            from memory (no host round trip; a captured CUDA graph sees each replay's new key),
+            the custom op (compiled or traced calls) reads it back to the host.
 
     Returns:
         ``[M, H, d]`` in the dtype of ``q``; rows without a valid neighbor are zeros.
@@ -213,9 +229,12 @@ def temporal_attention(
         KernelError: on shapes, dtypes, devices or index values that do not fit.
     """
     checks.check_attention(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p, seed)
+    eager = _eager_kernels(q, k, v, mask, indptr, k_index, v_index)
+    if isinstance(seed, Tensor) and not eager:
+        seed = int(seed.reshape(()).item()) % checks.MAX_SEED  # the custom op's schema takes an int
     args = (q.contiguous(), k.contiguous(), v.contiguous(), mask, indptr, k_index, v_index,
-            _scale(q, scale), float(dropout_p), int(seed))
-    if _eager_kernels(q, k, v, mask, indptr, k_index, v_index):
+            _scale(q, scale), float(dropout_p), seed if isinstance(seed, Tensor) else int(seed))
+    if eager:
         return _EagerAttention.apply(*args)
     out, _ = torch.ops.fastopt.temporal_attention(*args)
     return out

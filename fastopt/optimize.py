@@ -34,10 +34,15 @@ def optimize(model: nn.Module, *, config: Union[str, Config, dict, None] = "auto
         model: An ``nn.Module``; it is not modified.
         config: ``"auto"`` (the process configuration, :func:`fastopt.default_config`), a
             :class:`fastopt.Config` or a dict of config groups. Its ``kernels`` group (backend,
-            thread mapping) and ``passes`` group (``fuse_dropout``) apply while the optimized
+            thread mapping) and ``passes`` group (``fuse_dropout``, ``cuda_graphs``) apply while the optimized
             modules run; ``"auto"`` follows the process configuration as it changes.
         verify: Run the eager and the optimized computation side by side on the first calls of
             every rewritten module and raise if they disagree.
+
+    On CUDA, the optimized model's forward and backward are captured in CUDA graphs, one pair per
+    call signature (``config.passes.cuda_graphs``, ``max_graphs``; see
+    :mod:`fastopt.passes.graphs`): the whole model where its forward can be captured, else its
+    rewritten layers. The report's ``cuda graphs`` section says what was captured and why not.
 
     Returns:
         A module sharing ``model``'s parameters, buffers and submodules (same ``state_dict`` keys;

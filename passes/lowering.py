@@ -303,7 +303,7 @@ def canonical_attention(q: Tensor, k: Tensor, v: Tensor, lay: AttentionLayout, v
     qc, kc, vc = qc.reshape(r, h, d), kc.reshape(r, kk, h, d), vc.reshape(r, kk, h, d)
     mc = mc.reshape(r, kk)
     _record(site, (kk, h, d))
-    seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
+    seed = codegen.dropout_seed(qc) if dropout_p > 0 else 0
     out = codegen.temporal_attention(qc, kc, vc, mc, scale=scale, dropout_p=dropout_p, seed=seed)
     if empty != "zero":
         none = ~mc.any(1)[:, None, None]
@@ -359,8 +359,10 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, fill_mask: Tensor, dropout=
         a = dropout(a)                                    # module, or functional p
         out = weighted(a, v)                              # style `weighted`
 
-    Dropout in training runs inside the kernel (Philox stream, seeded from torch's default CPU
-    generator): equal in distribution to eager dropout, not draw for draw. With
+    Dropout in training runs inside the kernel (Philox stream keyed by
+    :func:`fastopt.codegen.dropout_seed`: the device's generator where the kernels run, no host
+    sync, a new key per CUDA-graph replay): equal in distribution to eager dropout, not draw for
+    draw. With
     ``config.passes.fuse_dropout`` off, attention with active dropout runs the code above.
     """
     p = _dropout_probability(dropout, dropout_p)
@@ -460,7 +462,7 @@ def fused_multihead_attention(mha: torch.nn.MultiheadAttention, query: Tensor, k
         k = F.linear(key, wk, bk).view(m, kk, h, d)
         v = F.linear(value, wv, bv).view(m, kk, h, d)
         _record(site, (kk, h, d))
-        seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if p > 0 else 0
+        seed = codegen.dropout_seed(q) if p > 0 else 0
         out = codegen.temporal_attention(q, k, v, ~key_padding_mask, scale=d ** -0.5,
                                          dropout_p=p, seed=seed)
         out = F.linear(out.reshape(m, mha.embed_dim), mha.out_proj.weight, mha.out_proj.bias)

@@ -21,6 +21,7 @@ from torch import fx, nn
 
 from fastopt.config import patch
 from fastopt.errors import TraceError
+from fastopt.passes.graphs import attach_graph_runners
 from fastopt.passes.manager import PassManager
 from fastopt.passes.pipeline import default_pipeline
 from fastopt.passes.report import LeftAlone, RewriteReport
@@ -173,5 +174,9 @@ def optimize_module(model: nn.Module, make_pipeline=default_pipeline,
             "optimize", "<root>",
             "no fusable attention, aggregation or time encoding found in any traceable part; "
             "the model is returned unchanged"))
-        optimized = model
+        return model, report
+    rewritten = [(path, m) for path, m in optimized.named_modules()
+                 if path and isinstance(m, OptimizedForward)]
+    verifying = [m for m in optimized.modules() if isinstance(m, OptimizedForward)] if verify else []
+    report.graphs = attach_graph_runners(optimized, rewritten, options["changes"], verifying)
     return optimized, report

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-__all__ = ["Rewrite", "LeftAlone", "RewriteReport"]
+__all__ = ["Rewrite", "LeftAlone", "GraphCapture", "RewriteReport"]
 
 
 @dataclass
@@ -50,6 +50,33 @@ class LeftAlone:
 
 
 @dataclass
+class GraphCapture:
+    """CUDA-graph state of one module of the optimized model (updated as it runs).
+
+    Attributes:
+        where: Module path (``<root>`` for the model).
+        state: ``"waiting for a CUDA call"``, ``"captured"``, ``"not captured"`` or ``"off"``.
+        reason: Why it is not captured (a failed capture turns the module's graphs off).
+        graphs: Forward/backward graph pairs held now (one per call signature).
+        captures: Captures made so far.
+        evictions: Graph pairs dropped to stay within ``config.passes.max_graphs``.
+    """
+
+    where: str
+    state: str = "waiting for a CUDA call"
+    reason: str = ""
+    graphs: int = 0
+    captures: int = 0
+    evictions: int = 0
+
+    def __str__(self) -> str:
+        if self.state == "captured":
+            return (f"{self.where}  captured: {self.graphs} graph pair(s) held, "
+                    f"{self.captures} capture(s), {self.evictions} evicted")
+        return f"{self.where}  {self.state}" + (f": {self.reason}" if self.reason else "")
+
+
+@dataclass
 class RewriteReport:
     """What :func:`fastopt.optimize` did to a model.
 
@@ -59,6 +86,8 @@ class RewriteReport:
         rewrites: Every rewrite applied.
         left_alone: Every candidate or module left as it was, with the reason.
         passes: Names of the passes in the pipeline, in order.
+        graphs: CUDA-graph state of the root and of each rewritten module (see
+            :mod:`fastopt.passes.graphs`), filled in as the optimized model runs.
     """
 
     model: str
@@ -66,6 +95,7 @@ class RewriteReport:
     rewrites: List[Rewrite] = field(default_factory=list)
     left_alone: List[LeftAlone] = field(default_factory=list)
     passes: List[str] = field(default_factory=list)
+    graphs: List[GraphCapture] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
@@ -79,6 +109,10 @@ class RewriteReport:
             if path not in seen:
                 seen.append(path)
         return seen
+
+    def captured_modules(self) -> List[str]:
+        """Module paths whose calls replay CUDA graphs now."""
+        return [g.where for g in self.graphs if g.state == "captured"]
 
     def count(self, op: Optional[str] = None) -> int:
         return sum(1 for r in self.rewrites if op is None or r.op == op)
@@ -97,6 +131,9 @@ class RewriteReport:
             lines.append("  left alone:")
             for a in self.left_alone:
                 lines.append(f"    {a.where}  [{a.pass_name}] {a.reason}")
+        if self.graphs:
+            lines.append("  cuda graphs:")
+            lines.extend(f"    {g}" for g in self.graphs)
         return "\n".join(lines)
 
     __repr__ = __str__

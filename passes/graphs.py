@@ -1,0 +1,558 @@
+"""CUDA graphs of an optimized model's forward and backward (``config.passes.cuda_graphs``).
+
+At training batch sizes a fused TGNN step is bound by host time (Python, dispatch and one launch
+per kernel), not by the GPU. A CUDA graph replays a whole captured forward, or backward, as one
+launch. :func:`attach_graph_runners` gives the optimized root and every rewritten (fx-traced)
+submodule a :class:`GraphRunner`; on a call whose tensors are all on CUDA it works like
+``torch.cuda.make_graphed_callables``, for any forward signature:
+
+* **Signature.** The call's arguments are flattened (tensors, lists, tuples, dicts, namedtuples
+  and dataclasses such as :class:`~fastopt.models.GraphInputs`; other values are constants). One
+  forward/backward graph pair is kept per signature: the structure and constants, each tensor's
+  shape, dtype, device and ``requires_grad``, the training flag of every submodule, grad mode,
+  autocast and the kernels/passes configuration. At most ``config.passes.max_graphs`` pairs per
+  module, least recently used evicted; ``"auto"`` captures a signature on its second call (a
+  one-off shape such as an epoch's last batch never costs a capture), ``"on"`` on its first.
+* **Capture.** Inputs are copied into static buffers; two warm-up calls (forward and
+  ``autograd.grad``) run on a side stream with the module's buffers restored afterwards; the
+  forward is captured, then the backward of every differentiable output with respect to the
+  inputs that require grad and the module's trainable parameters, into one memory pool.
+* **Replay.** Inputs are copied in, the forward graph replays and the outputs are returned as
+  fresh tensors (callers may keep them across calls). An ``autograd.Function`` connects them to
+  the graph: its backward copies the incoming gradients into static buffers, replays the
+  backward graph and returns the gradients of inputs and parameters from one fresh flat buffer
+  per dtype (captured in the graph), so ``.grad`` accumulates exactly as in eager mode and never
+  aliases graph memory. A call arriving while the previous replay of its graph still waits for
+  its backward runs uncaptured (the replay would overwrite what that backward reads).
+* **Never breaks a model.** A capture that fails (a host sync such as ``.item()``, ``nonzero``
+  or ``torch.unique``, a CPU tensor, a forward that assigns module attributes or writes into its
+  inputs: a replay would skip or misdirect those) turns the runner off and is recorded in
+  ``model.fastopt_report``; the calls run uncaptured. A runner stays out of the way while an
+  enclosing runner warms up or captures, so when the whole model cannot be captured (TGN's
+  memory update sorts node ids with ``torch.unique``) its rewritten attention layers are captured
+  instead. On CPU, under ``torch.compile`` or with ``verify=True`` pending, calls pass through.
+
+Dropout inside a graph stays random: the fused kernels read their Philox key from a device
+tensor drawn by the CUDA generator (:func:`fastopt.codegen.dropout_seed`), which a graph replays
+as a fresh draw; eager ``nn.Dropout`` is replay-safe in PyTorch itself.
+
+Runs after the rewrites (it wraps their result) and imports nothing of the passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from fastopt.config import default_config
+from fastopt.errors import TraceError
+from fastopt.passes.report import GraphCapture
+
+__all__ = [
+    "GraphRunner",
+    "GraphedForward",
+    "attach_graph_runners",
+    "flatten",
+    "unflatten",
+    "call_signature",
+    "Uncapturable",
+    "WARMUP_CALLS",
+]
+
+# Forward+backward calls on a side stream before a capture (lazy initialization, Triton
+# compilation and cuBLAS workspaces happen there, never inside the capture).
+WARMUP_CALLS = 2
+
+_PLAIN = (Tensor, nn.Parameter)
+_LOCAL = threading.local()  # .depth: warm-ups/captures in progress on this thread
+
+
+class Uncapturable(Exception):
+    """A call or a module that cannot be captured; the message says why."""
+
+
+# ----------------------------------------------------------------------------------------------
+# flattening and signatures
+# ----------------------------------------------------------------------------------------------
+
+_TENSOR = "T"
+
+
+def flatten(obj: Any) -> Tuple[List[Tensor], tuple]:
+    """``(tensors, spec)``: every tensor in ``obj`` in order, and a hashable description of the rest.
+
+    Lists, tuples, namedtuples, dicts and dataclass instances are descended into; tensors become
+    leaves; any other value is a constant of the spec (compared by value, so it must be
+    hashable for the spec to be). :func:`unflatten` rebuilds ``obj`` from a spec and tensors.
+    """
+    leaves: List[Tensor] = []
+    return leaves, _flatten(obj, leaves)
+
+
+def _flatten(obj: Any, leaves: List[Tensor]):
+    if isinstance(obj, Tensor):
+        leaves.append(obj)
+        return _TENSOR
+    kind = type(obj)
+    if kind is list or kind is tuple:
+        return (kind.__name__, tuple(_flatten(x, leaves) for x in obj))
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return ("namedtuple", kind, tuple(_flatten(x, leaves) for x in obj))
+    if kind is dict:
+        keys = tuple(obj)
+        return ("dict", keys, tuple(_flatten(obj[k], leaves) for k in keys))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = tuple(f.name for f in dataclasses.fields(obj))
+        return ("dataclass", kind, names, tuple(_flatten(getattr(obj, n), leaves) for n in names))
+    return ("const", kind, obj)
+
+
+def unflatten(spec: tuple, tensors: Sequence[Tensor]) -> Any:
+    """The object :func:`flatten` described by ``spec``, with ``tensors`` as its leaves."""
+    it = iter(tensors)
+    out = _unflatten(spec, it)
+    if next(it, None) is not None:
+        raise TraceError(f"unflatten got more tensors than the spec holds ({len(tensors)}); "
+                         f"pass the tensors flatten returned with this spec")
+    return out
+
+
+def _unflatten(spec, it: Iterator[Tensor]):
+    if spec is _TENSOR or spec == _TENSOR:
+        try:
+            return next(it)
+        except StopIteration:
+            raise TraceError("unflatten ran out of tensors; pass the tensors flatten returned "
+                             "with this spec") from None
+    tag = spec[0]
+    if tag == "list":
+        return [_unflatten(s, it) for s in spec[1]]
+    if tag == "tuple":
+        return tuple(_unflatten(s, it) for s in spec[1])
+    if tag == "namedtuple":
+        return spec[1](*(_unflatten(s, it) for s in spec[2]))
+    if tag == "dict":
+        return {k: _unflatten(s, it) for k, s in zip(spec[1], spec[2])}
+    if tag == "dataclass":
+        fields = {n: _unflatten(s, it) for n, s in zip(spec[2], spec[3])}
+        init = {f.name for f in dataclasses.fields(spec[1]) if f.init}
+        obj = spec[1](**{n: v for n, v in fields.items() if n in init})
+        for n, v in fields.items():
+            if n not in init:
+                object.__setattr__(obj, n, v)
+        return obj
+    return spec[2]
+
+
+def _tensor_meta(t: Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+
+def _config_key() -> tuple:
+    cfg = default_config()
+    return tuple(vars(cfg.kernels).values()) + tuple(vars(cfg.passes).values())
+
+
+def call_signature(module: nn.Module, spec: tuple, tensors: Sequence[Tensor]) -> tuple:
+    """The key of the graph pair that serves a call of ``module`` (see the module docstring).
+
+    Raises:
+        Uncapturable: A constant argument is not hashable.
+    """
+    key = (spec, tuple(_tensor_meta(t) for t in tensors),
+           tuple(m.training for m in module.modules()), torch.is_grad_enabled(),
+           torch.is_inference_mode_enabled(), torch.is_autocast_enabled(), _config_key())
+    try:
+        hash(key)
+    except TypeError as exc:
+        raise Uncapturable(f"an argument is not hashable ({exc}); CUDA graphs key calls by their "
+                           f"non-tensor arguments, so such calls run uncaptured") from None
+    return key
+
+
+def _state_key(module: nn.Module) -> tuple:
+    """Where the module's parameters and buffers live: a change (``.to()``, a new Parameter)
+    makes every captured graph stale."""
+    return (tuple((p.data_ptr(), p.requires_grad) for p in module.parameters()),
+            tuple(b.data_ptr() for b in module.buffers()))
+
+
+def _where_tensors_are(tensors: Sequence[Tensor]) -> Optional[str]:
+    """Why these call tensors cannot be captured, or None."""
+    if not tensors:
+        return "the call has no tensor arguments"
+    for t in tensors:
+        if type(t) not in _PLAIN:
+            return f"an argument is a {type(t).__name__}, not a plain tensor"
+        if not t.is_cuda:
+            return (f"an argument tensor is on {t.device}; CUDA graphs capture CUDA work only, so "
+                    f"the call runs uncaptured")
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# one captured signature
+# ----------------------------------------------------------------------------------------------
+
+
+class _Backward:
+    """Marks a replay whose backward has not run yet (dies with the replay's autograd node)."""
+
+    __slots__ = ("done", "__weakref__")
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+def _snapshot(module: nn.Module) -> list:
+    """References to every attribute of every submodule, to detect writes by the forward."""
+    snap = []
+    for m in module.modules():
+        attrs = {k: v for k, v in m.__dict__.items()
+                 if k not in ("_parameters", "_buffers", "_modules")}
+        for reg in ("_parameters", "_buffers", "_modules"):
+            attrs.update({f"{reg}.{k}": v for k, v in m.__dict__.get(reg, {}).items()})
+        snap.append((m, attrs))
+    return snap
+
+
+def _attribute_writes(before: list) -> Optional[str]:
+    for m, attrs in before:
+        now = {k: v for k, v in m.__dict__.items()
+               if k not in ("_parameters", "_buffers", "_modules")}
+        for reg in ("_parameters", "_buffers", "_modules"):
+            now.update({f"{reg}.{k}": v for k, v in m.__dict__.get(reg, {}).items()})
+        for name in set(attrs) | set(now):
+            if attrs.get(name, _Backward) is not now.get(name, _Backward):
+                return f"{type(m).__name__}.{name.split('.')[-1]}"
+    return None
+
+
+class _Graphs:
+    """The forward/backward graph pair of one call signature, with its static buffers."""
+
+    def __init__(self, static_inputs: List[Tensor], params: List[Tensor], fwd, out_spec: tuple,
+                 static_outputs: List[Tensor], differentiable: List[bool], bwd,
+                 static_grad_outputs: List[Tensor], grad_groups: list, surface_size: int) -> None:
+        self.static_inputs = static_inputs
+        self.params = params
+        self.fwd, self.bwd = fwd, bwd
+        self.out_spec = out_spec
+        self.static_outputs = static_outputs
+        self.differentiable = differentiable
+        self.static_grad_outputs = static_grad_outputs
+        self.grad_groups = grad_groups  # (flat static buffer, [(surface position, offset, shape)])
+        self.surface_size = surface_size
+        self.generation = 0
+        self._pending: Optional[weakref.ref] = None
+
+    @classmethod
+    def capture(cls, module: nn.Module, plain, spec: tuple, tensors: Sequence[Tensor]) -> "_Graphs":
+        device = tensors[0].device
+        static = []
+        with torch.no_grad():
+            for t in tensors:
+                s = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                s.copy_(t)
+                static.append(s.requires_grad_(t.requires_grad))
+        grad = torch.is_grad_enabled()
+        params = [p for p in module.parameters() if p.requires_grad] if grad else []
+        surface = [s for s in static if s.requires_grad] + params
+        args, kwargs = unflatten(spec, static)
+        before = _snapshot(module)
+        versions = [s._version for s in static]
+
+        def backward_of(out) -> Tuple[list, list]:
+            outs = [o for o in flatten(out)[0] if o.requires_grad]
+            return outs, surface
+
+        saved = [(b, b.detach().clone()) for b in module.buffers()]
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_CALLS):
+                out = plain(*args, **kwargs)
+                outs, _ = backward_of(out)
+                if outs and surface:
+                    torch.autograd.grad(outs, surface, [torch.ones_like(o) for o in outs],
+                                        allow_unused=True)
+                del out, outs
+        torch.cuda.current_stream(device).wait_stream(side)
+        with torch.no_grad():
+            for b, copy in saved:
+                b.copy_(copy)
+        del saved
+        if [s._version for s in static] != versions:
+            raise Uncapturable("the forward writes into its input tensors in place; a replay "
+                               "would write into the graph's copies, not the caller's tensors")
+        versions = [s._version for s in static]
+
+        pool = torch.cuda.graph_pool_handle()
+        fwd = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(fwd, pool=pool, capture_error_mode="thread_local"):
+            out = plain(*args, **kwargs)
+        written = _attribute_writes(before)
+        if written is not None:
+            raise Uncapturable(f"the forward assigns {written}; a replay would skip that write")
+        out_tensors, out_spec = flatten(out)
+        differentiable = [o.requires_grad for o in out_tensors]
+        diff_outs = [o for o in out_tensors if o.requires_grad]
+        bwd, static_go, groups = None, [], []
+        if grad and diff_outs and surface:
+            static_go = [torch.empty_like(o) for o in diff_outs]
+            bwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(bwd, pool=pool, capture_error_mode="thread_local"):
+                grads = torch.autograd.grad(diff_outs, surface, static_go, allow_unused=True)
+                groups = _flat_groups(grads)
+        if [s._version for s in static] != versions:
+            raise Uncapturable("the forward writes into its input tensors in place; a replay "
+                               "would write into the graph's copies, not the caller's tensors")
+        return cls(static, params, fwd, out_spec, [o.detach() for o in out_tensors],
+                   differentiable, bwd, static_go, groups, len(surface))
+
+    def pending(self) -> bool:
+        """Whether the last replay's backward may still run (its node is alive and has not run)."""
+        token = self._pending() if self._pending is not None else None
+        return token is not None and not token.done
+
+    def run(self, tensors: Sequence[Tensor]) -> Any:
+        with torch.no_grad():
+            torch._foreach_copy_(self.static_inputs, list(tensors))
+        if self.bwd is None:
+            self.fwd.replay()
+            self.generation += 1
+            return unflatten(self.out_spec, [o.clone() for o in self.static_outputs])
+        grad_inputs = [t for t, s in zip(tensors, self.static_inputs) if s.requires_grad]
+        outs = _Replay.apply(self, *grad_inputs, *self.params)
+        return unflatten(self.out_spec, list(outs))
+
+
+def _flat_groups(grads: Sequence[Optional[Tensor]]) -> list:
+    """Inside the backward capture: the gradients concatenated into one buffer per dtype/device."""
+    by_kind: Dict[tuple, list] = {}
+    for i, g in enumerate(grads):
+        if g is not None:
+            by_kind.setdefault((g.dtype, g.device), []).append((i, g))
+    groups = []
+    for members in by_kind.values():
+        flat = torch.cat([g.reshape(-1) for _, g in members])
+        layout, offset = [], 0
+        for i, g in members:
+            layout.append((i, offset, tuple(g.shape)))
+            offset += g.numel()
+        groups.append((flat, layout))
+    return groups
+
+
+class _Replay(torch.autograd.Function):
+    """Forward: replay the forward graph. Backward: replay the backward graph."""
+
+    @staticmethod
+    def forward(ctx, graphs: _Graphs, *surface: Tensor):
+        graphs.fwd.replay()
+        graphs.generation += 1
+        token = _Backward()
+        graphs._pending = weakref.ref(token)
+        ctx.graphs, ctx.generation, ctx.token = graphs, graphs.generation, token
+        outs = tuple(o.clone() for o in graphs.static_outputs)
+        ctx.mark_non_differentiable(*(o for o, d in zip(outs, graphs.differentiable) if not d))
+        return outs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grad_outputs: Tensor):
+        graphs: _Graphs = ctx.graphs
+        if ctx.generation != graphs.generation:
+            raise TraceError(
+                "backward through a CUDA-graphed call after its graph was replayed again "
+                f"(replay {ctx.generation}, now {graphs.generation}): the graph's saved tensors "
+                "are overwritten. Run backward before calling the module again with "
+                "retain_graph, or set config.passes.cuda_graphs='off'")
+        diff = [g for g, d in zip(grad_outputs, graphs.differentiable) if d]
+        with torch.no_grad():
+            torch._foreach_copy_(graphs.static_grad_outputs, diff)
+        graphs.bwd.replay()
+        ctx.token.done = True
+        grads: List[Optional[Tensor]] = [None] * graphs.surface_size
+        for flat, layout in graphs.grad_groups:
+            fresh = flat.clone()
+            for i, offset, shape in layout:
+                n = 1
+                for d in shape:
+                    n *= d
+                grads[i] = fresh[offset:offset + n].view(shape)
+        return (None, *grads)
+
+
+# ----------------------------------------------------------------------------------------------
+# the per-module runner
+# ----------------------------------------------------------------------------------------------
+
+
+class GraphRunner:
+    """Captures and replays the calls of one module (see the module docstring).
+
+    Args:
+        record: The report entry this runner keeps up to date.
+        changes: The ``fastopt.config.patch`` keywords of ``optimize(config=...)``.
+        verifying: Modules whose ``verify`` calls must finish before anything is captured.
+    """
+
+    def __init__(self, record: GraphCapture, changes: Optional[dict] = None,
+                 verifying: Sequence[nn.Module] = ()) -> None:
+        self.record = record
+        self.changes = dict(changes or {})
+        self._verifying = list(verifying)
+        self._graphs: "OrderedDict[tuple, _Graphs]" = OrderedDict()
+        self._seen: "OrderedDict[tuple, None]" = OrderedDict()
+        self._state: Optional[tuple] = None
+        self._off: Optional[str] = None
+
+    # copies of an optimized model start without graphs
+    def __deepcopy__(self, memo):
+        return GraphRunner(dataclasses.replace(self.record, graphs=0), self.changes)
+
+    def __reduce__(self):
+        return (GraphRunner, (dataclasses.replace(self.record, graphs=0), self.changes))
+
+    def _option(self, name: str):
+        return self.changes.get(f"passes__{name}", getattr(default_config().passes, name))
+
+    @property
+    def held(self) -> int:
+        """Graph pairs held now."""
+        return len(self._graphs)
+
+    def _give_up(self, reason: str) -> None:
+        self._off = reason
+        self._graphs.clear()
+        self.record.state, self.record.reason, self.record.graphs = "not captured", reason, 0
+
+    def __call__(self, module: nn.Module, plain, args: tuple, kwargs: dict):
+        mode = self._option("cuda_graphs")
+        if mode == "off":
+            self.record.state, self.record.reason = "off", "config.passes.cuda_graphs = 'off'"
+            return plain(*args, **kwargs)
+        if self._off is not None or getattr(_LOCAL, "depth", 0) or torch.compiler.is_compiling():
+            return plain(*args, **kwargs)
+        if self._verifying:
+            if any(m.__dict__.get("_fastopt_verify", 0) > 0 for m in self._verifying):
+                return plain(*args, **kwargs)
+            self._verifying = []
+        tensors, spec = flatten((args, kwargs))
+        where = _where_tensors_are(tensors)
+        if where is not None:
+            if self.record.state != "captured":
+                self.record.state, self.record.reason = "not captured", where
+            return plain(*args, **kwargs)
+        try:
+            key = call_signature(module, spec, tensors)
+        except Uncapturable as exc:
+            self.record.reason = str(exc)
+            return plain(*args, **kwargs)
+        state = _state_key(module)
+        if state != self._state:
+            self._graphs.clear()
+            self._state = state
+        graphs = self._graphs.get(key)
+        if graphs is None:
+            if mode == "auto" and key not in self._seen:
+                self._seen[key] = None
+                while len(self._seen) > 4 * self._option("max_graphs"):
+                    self._seen.popitem(last=False)
+                return plain(*args, **kwargs)
+            graphs = self._capture(module, plain, spec, tensors)
+            if graphs is None:
+                return plain(*args, **kwargs)
+            self._graphs[key] = graphs
+            while len(self._graphs) > self._option("max_graphs"):
+                self._graphs.popitem(last=False)
+                self.record.evictions += 1
+            self.record.graphs = len(self._graphs)
+        else:
+            self._graphs.move_to_end(key)
+        if graphs.pending():
+            return plain(*args, **kwargs)
+        return graphs.run(tensors)
+
+    def _capture(self, module: nn.Module, plain, spec: tuple,
+                 tensors: Sequence[Tensor]) -> Optional[_Graphs]:
+        _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
+        try:
+            graphs = _Graphs.capture(module, plain, spec, tensors)
+        except Exception as exc:  # noqa: BLE001 - any failure means "run uncaptured"
+            reason = str(exc) if isinstance(exc, Uncapturable) else \
+                f"capture failed: {type(exc).__name__}: {_first_line(exc)}"
+            self._give_up(reason)
+            try:
+                torch.cuda.synchronize(tensors[0].device)
+            except Exception:  # noqa: BLE001 - the capture's own error was recorded above
+                pass
+            return None
+        finally:
+            _LOCAL.depth -= 1
+        self.record.state, self.record.reason = "captured", ""
+        self.record.captures += 1
+        return graphs
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else ""
+
+
+# ----------------------------------------------------------------------------------------------
+# wiring into the optimized model
+# ----------------------------------------------------------------------------------------------
+
+
+class GraphedForward:
+    """Mixin: ``forward`` goes through the instance's :class:`GraphRunner`."""
+
+    def forward(self, *args, **kwargs):
+        runner = self.__dict__.get("_fastopt_graph_runner")
+        if runner is None:
+            return super().forward(*args, **kwargs)
+        return runner(self, super().forward, args, kwargs)
+
+
+_CLASSES: Dict[type, type] = {}
+
+
+def _graphed_class(cls: type) -> type:
+    if issubclass(cls, GraphedForward):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__, (GraphedForward, cls), {"__module__": cls.__module__})
+    return _CLASSES[cls]
+
+
+def attach_graph_runners(optimized: nn.Module, owned: Sequence[Tuple[str, nn.Module]],
+                         changes: Optional[dict], verifying: Sequence[nn.Module]) -> List[GraphCapture]:
+    """Give ``optimized`` and each module of ``owned`` a :class:`GraphRunner`.
+
+    Args:
+        optimized: The optimized root (a new object, never the user's model).
+        owned: ``(path, module)`` of the rewritten submodules: objects the optimizer created.
+        changes: ``optimize(config=...)`` patch keywords.
+        verifying: Modules with pending ``verify`` calls.
+
+    Returns:
+        The report entries, root first.
+    """
+    records = []
+    for path, module in [("<root>", optimized), *owned]:
+        if "_fastopt_graph_runner" in module.__dict__:
+            continue
+        record = GraphCapture(path)
+        module.__class__ = _graphed_class(type(module))
+        module.__dict__["_fastopt_graph_runner"] = GraphRunner(record, changes, verifying)
+        records.append(record)
+    return records

@@ -1,0 +1,59 @@
+"""Dropout keys held in device memory (what a captured CUDA graph needs): same masks as int keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastopt.codegen as cg
+import fastopt.config as fconfig
+from codegen_inputs import neighbors
+from fastopt.errors import KernelError
+
+
+def _args(device, rows=5, slots=6, heads=2, dim=8):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, heads, dim, generator=g).to(device).requires_grad_()
+    k = torch.randn(rows, slots, heads, dim, generator=g).to(device).requires_grad_()
+    v = torch.randn(rows, slots, heads, dim, generator=g).to(device).requires_grad_()
+    return q, k, v, neighbors(rows, slots, g, device).mask
+
+
+def test_tensor_seed_gives_the_int_seeds_mask_forward_and_backward(device, triton_backend):
+    q, k, v, mask = _args(device)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    by_int = cg.temporal_attention(q, k, v, mask, dropout_p=0.3, seed=12345)
+    seed = torch.tensor([12345], device=device)
+    by_tensor = cg.temporal_attention(q, k, v, mask, dropout_p=0.3, seed=seed)
+    assert torch.equal(by_int, by_tensor)
+    for a, b in zip(torch.autograd.grad(by_int, (q, k, v), grad),
+                    torch.autograd.grad(by_tensor, (q, k, v), grad)):
+        assert torch.equal(a, b)
+    other = cg.temporal_attention(q, k, v, mask, dropout_p=0.3, seed=torch.tensor([777], device=device))
+    assert not torch.equal(other, by_int)  # the kernel reads the key, it does not ignore it
+
+
+def test_dropout_seed_is_a_device_tensor_where_the_kernels_run(device, triton_backend):
+    q, _, _, _ = _args(device)
+    seed = cg.dropout_seed(q)
+    assert isinstance(seed, torch.Tensor) and seed.device == q.device and seed.numel() == 1
+    with fconfig.patch(kernels__backend="reference"):
+        assert isinstance(cg.dropout_seed(q), int)
+
+
+def test_tensor_seed_on_the_reference_path_is_read_back():
+    q, k, v, mask = _args("cpu")
+    with fconfig.patch(kernels__backend="reference"):
+        a = cg.temporal_attention(q, k, v, mask, dropout_p=0.3, seed=99)
+        b = cg.temporal_attention(q, k, v, mask, dropout_p=0.3, seed=torch.tensor([99]))
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("seed, match", [
+    (torch.tensor([1.0]), "one int32/int64 element"),
+    (torch.tensor([1, 2]), "one int32/int64 element"),
+])
+def test_bad_tensor_seed_names_value_and_fix(seed, match):
+    q, k, v, mask = _args("cpu")
+    with pytest.raises(KernelError, match=match):
+        cg.temporal_attention(q, k, v, mask, dropout_p=0.3, seed=seed)
