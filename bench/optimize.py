@@ -1,7 +1,9 @@
 """Benchmark of fastopt.optimize: embedding forward+backward step time of each reference model.
 
 Runs, in one process on one GPU and the same inputs: the eager model, ``torch.compile(model)``
-and ``fastopt.optimize(model)``, at TGN/TGAT batch shapes (600 roots = 200 events with their
+(default mode), ``torch.compile(model, mode="reduce-overhead")`` (CUDA graphs of the compiled
+model: the stronger baseline), and ``fastopt.optimize(model)`` with CUDA graphs on and, for
+reference, off (``config.passes.cuda_graphs``), at TGN/TGAT batch shapes (600 roots = 200 events with their
 destinations and negatives; 10 most recent neighbors for TGN, 10 x 10 uniform for TGAT; width 100,
 2 heads, 172 edge features as in Wikipedia/Reddit). Each step is timed with CUDA events after
 warm-up; the median is reported. Prints a table and writes JSON with the date, GPU, versions, git
@@ -56,12 +58,21 @@ def _warm_memory(model) -> None:
         mem.pending.fill_(True)
 
 
-def _time(fn, inputs, warmup: int, iters: int) -> float:
+def _step_begin() -> None:
+    # cudagraph trees of mode="reduce-overhead": each timed call is a new training step
+    torch.compiler.cudagraph_mark_step_begin()
+
+
+def _time(fn, inputs, warmup: int, iters: int, before_step=None) -> float:
     for _ in range(warmup):
+        if before_step:
+            before_step()
         fn(inputs).sum().backward()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
+        if before_step:
+            before_step()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn(inputs).sum().backward()
@@ -95,6 +106,25 @@ def _profile(fn, inputs, path: Path, steps: int = 10) -> None:
                     + "\n\n# by CUDA time\n" + table.table(sort_by="cuda_time_total", row_limit=30))
 
 
+def _write(args, rows) -> None:
+    """The JSON record, rewritten after each model so a cut-short run keeps what it measured."""
+    import triton
+
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "capability": list(torch.cuda.get_device_capability()),
+        "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "fastopt": fastopt.__version__,
+        "git_commit": git_commit(),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "timing": f"CUDA events, median of {args.iters} steps after {args.warmup} warm-up",
+        "results": rows,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(record, indent=2))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write results to this JSON file")
@@ -104,7 +134,7 @@ def main(argv=None) -> int:
     parser.add_argument("--edge-dim", type=int, default=172)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
     parser.add_argument("--profile", metavar="DIR",
                         help="also write torch.profiler tables of eager and fastopt steps to DIR")
     args = parser.parse_args(argv)
@@ -120,42 +150,51 @@ def main(argv=None) -> int:
         _warm_memory(model)
         inputs = _inputs(model, args.roots, args.num_nodes, args.edge_dim, device)
         fast = fastopt.optimize(model, verify=True)
+        plain = fastopt.optimize(model, config={"passes": {"cuda_graphs": "off"}})
         row = {"model": name, "roots": args.roots, "fanouts": list(model.fanouts),
                "rewrites": [f"{r.where} {r.pattern} -> {r.op}" for r in fast.fastopt_report.rewrites]}
-        row["eager_ms"] = _time(model, inputs, args.warmup, args.iters)
+        columns = [("eager_ms", model, None)]
         if not args.no_compile:
-            compiled = torch.compile(model)
-            row["compile_ms"] = _time(compiled, inputs, args.warmup, args.iters)
-        row["fastopt_ms"] = _time(fast, inputs, args.warmup, args.iters)
+            columns += [("compile_ms", lambda: torch.compile(model), None),
+                        ("compile_ro_ms", lambda: torch.compile(model, mode="reduce-overhead"),
+                         _step_begin)]
+        columns += [("fastopt_nographs_ms", plain, None), ("fastopt_ms", fast, None)]
+        for column, fn, before in columns:
+            try:
+                if column.startswith("compile"):
+                    torch._dynamo.reset()
+                    fn = fn()
+                row[column] = _time(fn, inputs, args.warmup, args.iters, before)
+            except Exception as exc:  # noqa: BLE001 - a failed column is reported, not fatal
+                row[column] = None
+                row.setdefault("errors", {})[column] = f"{type(exc).__name__}: {exc}"[:500]
+        report = fast.fastopt_report
+        row["cuda_graphs"] = [str(g) for g in report.graphs]
+        row["captured"] = report.captured_modules()
         if args.profile:
             for label, fn in (("eager", model), ("fastopt", fast)):
                 _profile(fn, inputs, Path(args.profile) / f"profile-{name}-{label}.txt")
-        row["speedup_vs_eager"] = row["eager_ms"] / row["fastopt_ms"]
-        if "compile_ms" in row:
-            row["speedup_vs_compile"] = row["compile_ms"] / row["fastopt_ms"]
+        for base in ("eager", "compile", "compile_ro"):
+            if row.get(f"{base}_ms") and row.get("fastopt_ms"):
+                row[f"speedup_vs_{base}"] = row[f"{base}_ms"] / row["fastopt_ms"]
         rows.append(row)
         torch._dynamo.reset()
-    print(f"{'model':8} {'eager ms':>10} {'compile ms':>11} {'fastopt ms':>11} {'x eager':>8} {'x compile':>10}")
+        if args.json:
+            _write(args, rows)
+    head = ("model", "eager ms", "compile ms", "compile-ro ms", "fastopt-nograph ms", "fastopt ms",
+            "x eager", "x compile", "x compile-ro")
+    print(" ".join(f"{h:>18}" for h in head))
     for r in rows:
-        print(f"{r['model']:8} {r['eager_ms']:10.3f} {r.get('compile_ms', float('nan')):11.3f} "
-              f"{r['fastopt_ms']:11.3f} {r['speedup_vs_eager']:8.2f} "
-              f"{r.get('speedup_vs_compile', float('nan')):10.2f}")
+        cells = [r["model"]] + [r.get(k) for k in ("eager_ms", "compile_ms", "compile_ro_ms",
+                                                   "fastopt_nographs_ms", "fastopt_ms",
+                                                   "speedup_vs_eager", "speedup_vs_compile",
+                                                   "speedup_vs_compile_ro")]
+        print(" ".join(f"{c:>18}" if isinstance(c, str) else
+                       (f"{c:18.3f}" if c is not None else f"{'-':>18}") for c in cells))
+        print(f"    captured: {', '.join(r['captured']) or 'nothing'}")
+        for err in r.get("errors", {}).items():
+            print(f"    failed: {err[0]}: {err[1]}")
     if args.json:
-        import triton
-
-        record = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "gpu": torch.cuda.get_device_name(),
-            "capability": list(torch.cuda.get_device_capability()),
-            "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "fastopt": fastopt.__version__,
-            "git_commit": git_commit(),
-            "command": " ".join([sys.executable, *sys.argv]),
-            "timing": f"CUDA events, median of {args.iters} steps after {args.warmup} warm-up",
-            "results": rows,
-        }
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(record, indent=2))
         print(f"wrote {args.json}")
     return 0
 
