@@ -41,6 +41,7 @@ Runs after the rewrites (it wraps their result) and imports nothing of the passe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import weakref
@@ -235,6 +236,45 @@ def _attribute_writes(before: list) -> Optional[str]:
     return None
 
 
+@contextlib.contextmanager
+def _aliased_parameters(module: nn.Module, params: Sequence[Tensor]):
+    """Swap every trainable parameter for a fresh leaf sharing its storage, while capturing.
+
+    A parameter's ``AccumulateGrad`` node lives as long as any autograd graph that used it, and
+    remembers the stream it was made on: one made by an eager call (default stream) would make
+    the captured backward wait on the default stream, which a capture cannot do. Fresh leaves
+    get fresh nodes on the capture stream; sharing storage, the graph still reads the parameters'
+    current values (in-place optimizer steps included). Yields the leaves in ``params`` order.
+    """
+    alias: Dict[int, Tensor] = {}
+    swaps = []
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.requires_grad:
+                if id(p) not in alias:
+                    alias[id(p)] = p.detach().requires_grad_()
+                swaps.append((m, name, p))
+                m._parameters[name] = alias[id(p)]
+    try:
+        yield [alias[id(p)] for p in params]
+    finally:
+        for m, name, p in swaps:
+            m._parameters[name] = p
+
+
+def _end_generator_capture(device: torch.device) -> None:
+    """Leave the CUDA generator out of capture mode after a failed capture.
+
+    A capture that fails never reaches the generator's capture epilogue, and every later random
+    draw would fail ("Offset increment outside graph capture"); an empty successful capture runs
+    the prologue and epilogue once more.
+    """
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.zeros(1, device=device).add_(1)
+    del graph
+
+
 class _Graphs:
     """The forward/backward graph pair of one call signature, with its static buffers."""
 
@@ -296,21 +336,23 @@ class _Graphs:
 
         pool = torch.cuda.graph_pool_handle()
         fwd = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(fwd, pool=pool, capture_error_mode="thread_local"):
-            out = plain(*args, **kwargs)
+        bwd, static_go, groups = None, [], []
+        with _aliased_parameters(module, params) as leaves:
+            with torch.cuda.graph(fwd, pool=pool, capture_error_mode="thread_local"):
+                out = plain(*args, **kwargs)
+            out_tensors, out_spec = flatten(out)
+            differentiable = [o.requires_grad for o in out_tensors]
+            diff_outs = [o for o in out_tensors if o.requires_grad]
+            surface = [s for s in static if s.requires_grad] + leaves
+            if grad and diff_outs and surface:
+                static_go = [torch.empty_like(o) for o in diff_outs]
+                bwd = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(bwd, pool=pool, capture_error_mode="thread_local"):
+                    grads = torch.autograd.grad(diff_outs, surface, static_go, allow_unused=True)
+                    groups = _flat_groups(grads)
         written = _attribute_writes(before)
         if written is not None:
             raise Uncapturable(f"the forward assigns {written}; a replay would skip that write")
-        out_tensors, out_spec = flatten(out)
-        differentiable = [o.requires_grad for o in out_tensors]
-        diff_outs = [o for o in out_tensors if o.requires_grad]
-        bwd, static_go, groups = None, [], []
-        if grad and diff_outs and surface:
-            static_go = [torch.empty_like(o) for o in diff_outs]
-            bwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(bwd, pool=pool, capture_error_mode="thread_local"):
-                grads = torch.autograd.grad(diff_outs, surface, static_go, allow_unused=True)
-                groups = _flat_groups(grads)
         if [s._version for s in static] != versions:
             raise Uncapturable("the forward writes into its input tensors in place; a replay "
                                "would write into the graph's copies, not the caller's tensors")
@@ -493,6 +535,7 @@ class GraphRunner:
             self._give_up(reason)
             try:
                 torch.cuda.synchronize(tensors[0].device)
+                _end_generator_capture(tensors[0].device)
             except Exception:  # noqa: BLE001 - the capture's own error was recorded above
                 pass
             return None
