@@ -77,6 +77,9 @@ class _Specialized(NamedTuple):
         self.fn[grid](*args, num_warps=self.cfg.num_warps, num_stages=self.cfg.num_stages)
 
 
+# Families whose programs hold [block_m, lanes] row tiles (the others tile neighbor slots).
+_ROW_TILED_FAMILIES = ("temporal_attention", "segment_reduce")
+
 # (family, device, problem, knobs, spec) -> _Specialized. Rendering, hashing and the cache lookup
 # run once per specialization; a warm call only packs arguments and launches.
 _SPECIALIZED: Dict[tuple, _Specialized] = {}
@@ -98,7 +101,8 @@ def _kernel(family: str, device: torch.device, problem: Tuple[int, int, int],
     key = (family, device, problem, _knobs(), tuple(sorted(spec.items())))
     hit = _SPECIALIZED.get(key)
     if hit is None:
-        cfg = heuristic_config(*problem, _capability(device))
+        cfg = heuristic_config(*problem, _capability(device),
+                               row_tiles=family in _ROW_TILED_FAMILIES)
         source = render(family, rows=cfg.rows_per_program, block_m=cfg.block_m, block_k=cfg.block_k,
                         block_d=cfg.block_d, block_h=cfg.heads_per_program, **derive(cfg), **spec)
         fn = kernel_cache().load(CacheKey.build(family, source, cfg, device), source)

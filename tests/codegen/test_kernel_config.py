@@ -15,9 +15,17 @@ def test_heuristic_covers_the_problem(slots, heads, dim):
     cfg = heuristic_config(slots, heads, dim)
     assert cfg.block_d == next_power_of_2(dim)
     assert cfg.block_k * cfg.heads_per_program * cfg.block_d <= 8192
-    assert 2 <= cfg.num_warps <= 8
+    assert 1 <= cfg.num_warps <= 8
+    assert 2 <= heuristic_config(slots, heads, dim, row_tiles=False).num_warps <= 8
     rows, groups = cfg.grid(100, heads)
     assert rows * cfg.rows_per_program >= 100 and groups * cfg.heads_per_program >= heads
+
+
+@pytest.mark.parametrize("dim,rows,warps", [(16, 4, 1), (50, 1, 1), (100, 1, 1), (300, 1, 2)])
+def test_row_tiles_keep_a_warp_per_256_elements(dim, rows, warps):
+    cfg = heuristic_config(10, 2, dim)
+    assert (cfg.block_m, cfg.num_warps) == (rows, warps)
+    assert cfg.tile_grid(1000, 2) == (-(-1000 // rows), 2 // cfg.heads_per_program)
 
 
 def test_hopper_gets_more_stages():
