@@ -12,9 +12,12 @@ REPO = Path(__file__).resolve().parents[1]
 def git_commit() -> str:
     """HEAD of the checkout, ``+dirty`` when tracked files differ from it.
 
-    A tree copied without ``.git`` (as onto a GPU machine) reports ``$FASTOPT_GIT_COMMIT``, which
-    the copying command sets, else ``"unknown"``.
+    ``$FASTOPT_GIT_COMMIT``, where set, wins: a tree copied onto a GPU machine may carry no
+    ``.git`` or a stale one, and the copying command names the commit it copied. Without either,
+    ``"unknown"``.
     """
+    if os.environ.get("FASTOPT_GIT_COMMIT"):
+        return os.environ["FASTOPT_GIT_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              check=True).stdout.strip()
@@ -22,4 +25,4 @@ def git_commit() -> str:
                                capture_output=True, text=True, check=True).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("FASTOPT_GIT_COMMIT", "unknown")
+        return "unknown"

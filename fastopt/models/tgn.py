@@ -22,7 +22,7 @@ class MemoryModel(TGNNModel):
     def __init__(self, num_nodes: int, edge_dim: int, memory_dim: int, dim: int, slots: int = 1) -> None:
         super().__init__(dim)
         self.memory = NodeMemory(num_nodes, memory_dim, 2 * memory_dim + edge_dim, slots)
-        self._fresh = None  # (unique root ids, their updated memory) from the last embed()
+        self._fresh = None  # (root ids, their updated memory) from the last embed()
 
     def reset_state(self) -> None:
         self.memory.reset()
@@ -41,17 +41,22 @@ class MemoryModel(TGNNModel):
         return torch.where(mem.pending[nodes].unsqueeze(1), new, mem.memory[nodes])
 
     def root_memory(self, roots: torch.Tensor) -> torch.Tensor:
-        """Updated memory of each root; remembers the unique roots' values for :meth:`commit`."""
-        uniq, inverse = torch.unique(roots, return_inverse=True)
-        fresh = self.updated_memory(uniq)
-        self._fresh = (uniq, fresh)
-        return fresh[inverse]
+        """Updated memory of each root; remembers the values for :meth:`commit`.
+
+        Every root row is updated, repeated ids included (each copy computes the same values),
+        rather than the unique ids: ``torch.unique`` would read its size back to the host, which
+        keeps the embedding out of a CUDA graph; the repeated rows cost a few GRU rows instead.
+        """
+        fresh = self.updated_memory(roots)
+        self._fresh = (roots, fresh)
+        return fresh
 
     @torch.no_grad()
     def commit(self, src, dst, ts, edge_feat) -> None:
-        uniq, fresh = self._fresh
+        roots, fresh = self._fresh
         pos = torch.unique(torch.cat([src, dst]))
-        rows = torch.searchsorted(uniq, pos)
+        order = torch.argsort(roots)
+        rows = order[torch.searchsorted(roots[order], pos)]
         mem = self.memory
         mem.write(pos, fresh[rows], torch.where(mem.pending[pos], mem.latest_mail(pos)[1], mem.last_update[pos]))
         m_src, m_dst = mem.memory[src], mem.memory[dst]
