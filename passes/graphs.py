@@ -24,13 +24,16 @@ submodule a :class:`GraphRunner`; on a call whose tensors are all on CUDA it wor
   per dtype (captured in the graph), so ``.grad`` accumulates exactly as in eager mode and never
   aliases graph memory. A call arriving while the previous replay of its graph still waits for
   its backward runs uncaptured (the replay would overwrite what that backward reads).
+* **Attribute writes.** A forward that stores tensors on its module (TGN keeps the batch's
+  updated memory for ``commit``) is captured when those tensors live on the graph's device: each
+  replay re-assigns the attribute to the same tensors, detached, which then hold that replay's
+  values (:func:`replayable_writes`).
 * **Never breaks a model.** A capture that fails (a host sync such as ``.item()``, ``nonzero``
-  or ``torch.unique``, a CPU tensor, a forward that assigns module attributes or writes into its
-  inputs: a replay would skip or misdirect those) turns the runner off and is recorded in
+  or ``torch.unique``, a CPU tensor, a forward that assigns other module attributes or writes
+  into its inputs: a replay would skip or misdirect those) turns the runner off and is recorded in
   ``model.fastopt_report``; the calls run uncaptured. A runner stays out of the way while an
-  enclosing runner warms up or captures, so when the whole model cannot be captured (TGN's
-  memory update sorts node ids with ``torch.unique``) its rewritten attention layers are captured
-  instead. On CPU, under ``torch.compile`` or with ``verify=True`` pending, calls pass through.
+  enclosing runner warms up or captures, so when the whole model cannot be captured its
+  rewritten attention layers are captured instead. On CPU, under ``torch.compile`` or with ``verify=True`` pending, calls pass through.
 
 Dropout inside a graph stays random: the fused kernels read their Philox key from a device
 tensor drawn by the CUDA generator (:func:`fastopt.codegen.dropout_seed`), which a graph replays
@@ -224,16 +227,64 @@ def _snapshot(module: nn.Module) -> list:
     return snap
 
 
-def _attribute_writes(before: list) -> Optional[str]:
+def _attribute_writes(before: list) -> List[Tuple[nn.Module, str, Any]]:
+    """Every attribute (re)assigned since ``before``: ``(module, key, new value)``.
+
+    Keys of registered parameters, buffers and submodules read ``"_buffers.name"`` and so on;
+    a deleted attribute's value is ``_Backward`` (a sentinel no forward can assign).
+    """
+    changes = []
     for m, attrs in before:
         now = {k: v for k, v in m.__dict__.items()
                if k not in ("_parameters", "_buffers", "_modules")}
         for reg in ("_parameters", "_buffers", "_modules"):
             now.update({f"{reg}.{k}": v for k, v in m.__dict__.get(reg, {}).items()})
-        for name in set(attrs) | set(now):
+        for name in sorted(set(attrs) | set(now)):
             if attrs.get(name, _Backward) is not now.get(name, _Backward):
-                return f"{type(m).__name__}.{name.split('.')[-1]}"
-    return None
+                changes.append((m, name, now.get(name, _Backward)))
+    return changes
+
+
+_NOT_REPLAYABLE = object()
+
+
+def _detached(value: Any, device: torch.device) -> Any:
+    """``value`` with its tensors detached, if it holds only tensors on ``device`` (in tuples or
+    lists) or None; else :data:`_NOT_REPLAYABLE`."""
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        return value.detach() if value.device == device else _NOT_REPLAYABLE
+    if type(value) in (tuple, list):
+        items = [_detached(v, device) for v in value]
+        if any(v is _NOT_REPLAYABLE for v in items):
+            return _NOT_REPLAYABLE
+        return type(value)(items)
+    return _NOT_REPLAYABLE
+
+
+def replayable_writes(changes: Sequence[Tuple[nn.Module, str, Any]], device: torch.device
+                      ) -> Tuple[List[Tuple[nn.Module, str, Any]], Optional[str]]:
+    """The attribute writes a replay can redo, or the name of the first one it cannot.
+
+    A plain attribute that the captured forward set to tensors on the graph's device (alone, in
+    tuples or lists, or None) is re-assigned after every replay to the same tensors, detached:
+    they live in the graph's memory (or are its static inputs), so after a replay they hold that
+    replay's values, until the next replay of the same graph overwrites them. TGN keeps the
+    updated memory of a batch's roots this way for ``commit``. Anything else (another Python
+    value, a CPU tensor, a registered parameter, buffer or submodule, a deleted attribute) would
+    be skipped by a replay, so the call signature is not captured.
+    """
+    writes = []
+    for module, key, value in changes:
+        name = f"{type(module).__name__}.{key.split('.')[-1]}"
+        if "." in key or value is _Backward:
+            return [], name
+        value = _detached(value, device)
+        if value is _NOT_REPLAYABLE:
+            return [], name
+        writes.append((module, key, value))
+    return writes, None
 
 
 @contextlib.contextmanager
@@ -292,6 +343,7 @@ class _Graphs:
         self.surface_size = surface_size
         self.generation = 0
         self._pending: Optional[weakref.ref] = None
+        self.writes: List[Tuple[nn.Module, str, Any]] = []
 
     @classmethod
     def capture(cls, module: nn.Module, plain, spec: tuple, tensors: Sequence[Tensor]) -> "_Graphs":
@@ -350,14 +402,22 @@ class _Graphs:
                 with torch.cuda.graph(bwd, pool=pool, capture_error_mode="thread_local"):
                     grads = torch.autograd.grad(diff_outs, surface, static_go, allow_unused=True)
                     groups = _flat_groups(grads)
-        written = _attribute_writes(before)
-        if written is not None:
-            raise Uncapturable(f"the forward assigns {written}; a replay would skip that write")
+        writes, refused = replayable_writes(_attribute_writes(before), device)
+        if refused is not None:
+            raise Uncapturable(f"the forward assigns {refused}; a replay would skip that write")
         if [s._version for s in static] != versions:
             raise Uncapturable("the forward writes into its input tensors in place; a replay "
                                "would write into the graph's copies, not the caller's tensors")
-        return cls(static, params, fwd, out_spec, [o.detach() for o in out_tensors],
-                   differentiable, bwd, static_go, groups, len(surface))
+        graphs = cls(static, params, fwd, out_spec, [o.detach() for o in out_tensors],
+                     differentiable, bwd, static_go, groups, len(surface))
+        graphs.writes = writes
+        graphs.redo_writes()
+        return graphs
+
+    def redo_writes(self) -> None:
+        """Re-assign the attributes the captured forward wrote (see :func:`replayable_writes`)."""
+        for module, key, value in self.writes:
+            module.__dict__[key] = value
 
     def pending(self) -> bool:
         """Whether the last replay's backward may still run (its node is alive and has not run)."""
@@ -369,6 +429,7 @@ class _Graphs:
             torch._foreach_copy_(self.static_inputs, list(tensors))
         if self.bwd is None:
             self.fwd.replay()
+            self.redo_writes()
             self.generation += 1
             return unflatten(self.out_spec, [o.clone() for o in self.static_outputs])
         grad_inputs = [t for t, s in zip(tensors, self.static_inputs) if s.requires_grad]
@@ -399,6 +460,7 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graphs: _Graphs, *surface: Tensor):
         graphs.fwd.replay()
+        graphs.redo_writes()
         graphs.generation += 1
         token = _Backward()
         graphs._pending = weakref.ref(token)
