@@ -235,7 +235,7 @@ def test_thread_mappings_agree(knobs, device):
 
 @pytest.mark.parametrize("mode", ["deterministic", "atomic"])
 def test_more_slots_than_the_unrolled_loop(mode, device):
-    """K above 32 runs the slot loop as a loop rather than unrolled: same results."""
+    """Above 32 slot-heads the slots run as a loop rather than unrolled: same results."""
     case = (5, 40, 2, 16, "mask", "indexed", "indexed", 0.0, mode)
     tensors, kwargs = _attention_inputs(case, device)
     with fconfig.patch(kernels__backward_mode=mode):
