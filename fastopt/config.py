@@ -118,6 +118,8 @@ class PassesConfig:
     cuda_graphs: str = "auto"
     # captured forward/backward graph pairs kept per captured module (least recently used go first)
     max_graphs: int = 8
+    # Linear(cat(parts)): multiply the parts needing no gradient apart (no input gradient for them)
+    split_linear_inputs: bool = True
 
 
 @dataclass

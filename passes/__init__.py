@@ -16,6 +16,7 @@ from fastopt.passes.manager import PassManager
 from fastopt.passes.optimizer import optimize_module
 from fastopt.passes.pipeline import PIPELINE, default_pipeline
 from fastopt.passes.project_before_gather import ProjectBeforeGather
+from fastopt.passes.split_linear import SplitLinearInputs
 from fastopt.passes.report import LeftAlone, Rewrite, RewriteReport
 from fastopt.passes.time_encoding import FuseTimeEncoding
 from fastopt.passes.tracing import FastOptTracer, trace
@@ -27,6 +28,7 @@ __all__ = [
     "FuseMaskedAggregation",
     "FuseTimeEncoding",
     "ProjectBeforeGather",
+    "SplitLinearInputs",
     "PIPELINE",
     "PassManager",
     "default_pipeline",

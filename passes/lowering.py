@@ -26,7 +26,7 @@ import functools
 import math
 import string
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,7 @@ __all__ = [
     "fused_sdpa",
     "fused_masked_aggregate",
     "fused_time_encode",
+    "linear_over_parts",
     "project_rows",
     "site_shapes",
 ]
@@ -525,6 +526,43 @@ def fused_time_encode(dt: Tensor, linear: torch.nn.Linear, *, site: str = "") ->
 # ----------------------------------------------------------------------------------------------
 # projection before gather (passes/project_before_gather.py)
 # ----------------------------------------------------------------------------------------------
+
+
+def linear_over_parts(linear: torch.nn.Linear, *parts: Tensor, site: str = "") -> Tensor:
+    """``linear(torch.cat(parts, -1))``, the parts that need no gradient multiplied apart.
+
+    ``y = x_free W_free^T + bias + x_grad W_grad^T`` where ``x_free`` / ``x_grad`` concatenate the
+    parts that do not / do require gradients and ``W_*`` are their column blocks of the weight:
+    the backward computes no input gradient for the free parts and the full concatenation is never
+    written. Runs the original when there is nothing to split or ``config.passes.split_linear_inputs``
+    is off.
+    """
+    weight, bias = linear.weight, linear.bias
+    widths = [p.shape[-1] if p.dim() else -1 for p in parts]
+    free = [i for i, p in enumerate(parts) if widths[i] > 0 and not p.requires_grad]
+    grad = [i for i, p in enumerate(parts) if widths[i] > 0 and p.requires_grad]
+    lead = parts[0].shape[:-1]
+    if (not default_config().passes.split_linear_inputs or not torch.is_grad_enabled()
+            or not free or not grad or sum(max(w, 0) for w in widths) != weight.shape[1]
+            or any(p.shape[:-1] != lead or p.dtype != weight.dtype for p in parts)
+            or type(linear).forward is not torch.nn.Linear.forward):
+        return linear(torch.cat(parts, dim=-1))
+    starts = [0]
+    for w in widths:
+        starts.append(starts[-1] + max(w, 0))
+
+    def group(members: List[int]) -> Tuple[Tensor, Tensor]:
+        x = parts[members[0]] if len(members) == 1 else torch.cat([parts[i] for i in members], -1)
+        blocks = [weight[:, starts[i]:starts[i + 1]] for i in members]
+        w = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        return x.reshape(-1, x.shape[-1]), w
+
+    x_free, w_free = group(free)
+    x_grad, w_grad = group(grad)
+    y = torch.mm(x_free, w_free.t()) if bias is None else torch.addmm(bias, x_free, w_free.t())
+    y = torch.addmm(y, x_grad, w_grad.t())
+    _record(site, (sum(widths[i] for i in free), sum(widths[i] for i in grad)))
+    return y.view(*lead, weight.shape[0])
 
 
 def project_rows(linear: torch.nn.Module, table: Tensor, index: Tensor, *, site: str = "") -> Tensor:

@@ -2,7 +2,8 @@
 
 Attention passes come first (each anchors on a different node kind, so their relative order only
 affects the report); masked aggregation runs after them because an attention's weighted sum is
-also a masked-looking ``(a * v).sum``; projection before gather runs last. ``passes/README.md``
+also a masked-looking ``(a * v).sum``; the split of Linears over concatenations after them (the
+attention matches read the projections); projection before gather runs last. ``passes/README.md``
 states the invariants every pass keeps.
 
 ``fuse_time_encoding`` is not in the default pipeline: on its own, one ``time_encode`` custom op
@@ -20,6 +21,7 @@ from fastopt.passes.attention_mha import FuseMultiheadAttention
 from fastopt.passes.attention_sdpa import FuseSdpaAttention
 from fastopt.passes.manager import PassManager
 from fastopt.passes.project_before_gather import ProjectBeforeGather
+from fastopt.passes.split_linear import SplitLinearInputs
 
 __all__ = ["PIPELINE", "default_pipeline"]
 
@@ -28,6 +30,7 @@ PIPELINE = (
     FuseSdpaAttention,
     FuseTemporalAttention,
     FuseMaskedAggregation,
+    SplitLinearInputs,
     ProjectBeforeGather,
 )
 

@@ -7,15 +7,17 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+import fastopt.config as fconfig
 from fastopt.passes import (FuseMaskedAggregation, FuseMultiheadAttention, FuseSdpaAttention,
-                            FuseTemporalAttention, FuseTimeEncoding, ProjectBeforeGather, trace)
+                            FuseTemporalAttention, FuseTimeEncoding, ProjectBeforeGather,
+                            SplitLinearInputs, trace)
 from fastopt.passes.lowering import (fused_masked_aggregate, fused_multihead_attention, fused_sdpa,
-                                     fused_time_encode, project_rows)
+                                     fused_time_encode, linear_over_parts, project_rows)
 
 from passes_helpers import graph_signature, neighbor_mask
 
 for _name in ("fused_masked_aggregate", "fused_multihead_attention", "fused_sdpa",
-              "fused_time_encode", "project_rows"):
+              "fused_time_encode", "project_rows", "linear_over_parts"):
     fx.wrap(_name)
 
 M, K, E = 6, 7, 8
@@ -159,6 +161,69 @@ def test_project_before_gather():
     expected.load_state_dict(before.state_dict())
     _check(before, expected, ProjectBeforeGather,
            lambda: (torch.randn(5, 4), torch.randint(0, 5, (M, K))))
+
+
+class KeysValuesOverParts(nn.Module):
+    """TGAT's keys and values: two projections of [neighbor state, edge features, encoding]."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(1, 3)
+        self.w_k = nn.Linear(2 + 5 + 3, 4)
+        self.w_v = nn.Linear(2 + 5 + 3, 4)
+
+    def forward(self, h, edge, dt):
+        kv_in = torch.cat([h, edge, torch.cos(self.enc(dt))], dim=-1)
+        return self.w_k(kv_in), self.w_v(kv_in)
+
+
+def test_split_linear_inputs():
+    class Expected(KeysValuesOverParts):
+        def forward(self, h, edge, dt):
+            t = torch.cos(self.enc(dt))
+            return linear_over_parts(self.w_k, h, edge, t), linear_over_parts(self.w_v, h, edge, t)
+
+    torch.manual_seed(0)
+    before, expected = KeysValuesOverParts(), Expected()
+    expected.load_state_dict(before.state_dict())
+    gm = trace(before, training=False)
+    p = SplitLinearInputs()
+    gm, modified = p(gm)
+    assert modified and p.matches == 2
+    assert not [n for n in gm.graph.nodes if n.target is torch.cat]  # no concatenation left
+    exp = trace(expected, training=False)
+    assert graph_signature(gm) == graph_signature(exp)
+    # h needs gradients (an embedding), edge features do not: two groups, as in training
+    for split in (True, False):
+        h = torch.randn(M, K, 2, requires_grad=True)
+        edge, dt = torch.randn(M, K, 5), torch.rand(M, K, 1)
+        params = [h] + list(before.parameters())
+        with fconfig.patch(passes__split_linear_inputs=split):
+            ref, got = before(h, edge, dt), gm(h, edge, dt)
+            for r, g in zip(ref, got):
+                torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+            weights = [torch.randn_like(r) for r in ref]
+            want = torch.autograd.grad(sum((w * r).sum() for w, r in zip(weights, ref)), params)
+            have = torch.autograd.grad(sum((w * g).sum() for w, g in zip(weights, got)), params)
+        for a, b in zip(want, have):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # nothing to split: the original concatenation and product
+        torch.testing.assert_close(gm(h, edge, dt)[0], before(h, edge, dt)[0])
+
+
+def test_split_linear_inputs_leaves_other_concatenations():
+    class AlongRows(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(5, 4)
+
+        def forward(self, a, b):
+            return self.proj(torch.cat([a, b], dim=0))
+
+    p = SplitLinearInputs()
+    gm, modified = p(trace(AlongRows(), training=False))
+    assert not modified and p.matches == 0
+    assert "dim 0" in p.left_alone[0].reason
 
 
 # ----------------------------------------------------------------------------- near misses
