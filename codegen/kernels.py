@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import jinja2
 import torch
@@ -104,7 +104,8 @@ def _kernel(family: str, device: torch.device, problem: Tuple[int, int, int],
         cfg = heuristic_config(*problem, _capability(device),
                                row_tiles=family in _ROW_TILED_FAMILIES)
         source = render(family, rows=cfg.rows_per_program, block_m=cfg.block_m, block_k=cfg.block_k,
-                        block_d=cfg.block_d, block_h=cfg.heads_per_program, **derive(cfg), **spec)
+                        block_d=cfg.block_d, block_h=min(cfg.heads_per_program, problem[1]),
+                        **derive(cfg), **spec)
         fn = kernel_cache().load(CacheKey.build(family, source, cfg, device), source)
         hit = _SPECIALIZED[key] = _Specialized(fn, cfg)
     return hit
@@ -330,17 +331,17 @@ def _sort_keys(table_rows: int) -> Tuple[torch.dtype, int]:
 
 
 # row ids - shift, per (device, dtype, shift), grown on demand: one arange launch saved per backward.
-_ROW_IDS: Dict[tuple, Tensor] = {}
+# Every size ever handed out stays alive: a captured CUDA graph keeps reading the one it was given.
+_ROW_IDS: Dict[tuple, List[Tensor]] = {}
 
 
 def _row_ids(count: int, device: torch.device, dtype: torch.dtype, shift: int = 0) -> Tensor:
-    ids = _ROW_IDS.get((device, dtype, shift))
-    if ids is None or ids.numel() < count:
+    sizes = _ROW_IDS.setdefault((device, dtype, shift), [])
+    if not sizes or sizes[-1].numel() < count:
         limit = torch.iinfo(dtype).max + shift + 1
-        size = min(limit, max(count, 2 * ids.numel())) if ids is not None else count
-        ids = _ROW_IDS[(device, dtype, shift)] = (
-            torch.arange(size, device=device, dtype=torch.int64) - shift).to(dtype)
-    return ids[:count]
+        size = min(limit, max(count, 2 * sizes[-1].numel())) if sizes else count
+        sizes.append((torch.arange(size, device=device, dtype=torch.int64) - shift).to(dtype))
+    return sizes[-1][:count]
 
 
 def segment_reduce(terms: Sequence[Tuple[Tensor, Tensor]], index: Tensor, table_rows: int,

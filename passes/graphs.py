@@ -248,13 +248,29 @@ def _attribute_writes(before: list) -> List[Tuple[nn.Module, str, Any]]:
 _NOT_REPLAYABLE = object()
 
 
+class _WrittenByForward:
+    """Stands in, during a capture, for an attribute the warm-up calls wrote.
+
+    A forward that reads its own earlier write would bake the address of the warm-up's tensor into
+    the graph, and replays would keep reading that stale tensor; with this in its place the read
+    fails (it is no tensor), the capture fails and the module runs uncaptured.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<attribute written by the forward; unreadable during CUDA-graph capture>"
+
+
 def _detached(value: Any, device: torch.device) -> Any:
-    """``value`` with its tensors detached, if it holds only tensors on ``device`` (in tuples or
-    lists) or None; else :data:`_NOT_REPLAYABLE`."""
+    """``value`` with its tensors detached, if it holds only tensors on ``device`` that need no
+    gradient (in tuples or lists) or None; else :data:`_NOT_REPLAYABLE`."""
     if value is None:
         return None
     if isinstance(value, Tensor):
-        return value.detach() if value.device == device else _NOT_REPLAYABLE
+        # a tensor with a gradient path (an auxiliary loss, say) would lose it on replay
+        ok = value.device == device and not value.requires_grad
+        return value.detach() if ok else _NOT_REPLAYABLE
     if type(value) in (tuple, list):
         items = [_detached(v, device) for v in value]
         if any(v is _NOT_REPLAYABLE for v in items):
@@ -267,13 +283,16 @@ def replayable_writes(changes: Sequence[Tuple[nn.Module, str, Any]], device: tor
                       ) -> Tuple[List[Tuple[nn.Module, str, Any]], Optional[str]]:
     """The attribute writes a replay can redo, or the name of the first one it cannot.
 
-    A plain attribute that the captured forward set to tensors on the graph's device (alone, in
-    tuples or lists, or None) is re-assigned after every replay to the same tensors, detached:
-    they live in the graph's memory (or are its static inputs), so after a replay they hold that
-    replay's values, until the next replay of the same graph overwrites them. TGN keeps the
-    updated memory of a batch's roots this way for ``commit``. Anything else (another Python
-    value, a CPU tensor, a registered parameter, buffer or submodule, a deleted attribute) would
-    be skipped by a replay, so the call signature is not captured.
+    A plain attribute that the captured forward set to tensors on the graph's device that need no
+    gradient (alone, in tuples or lists, or None) is re-assigned after every replay to the same
+    tensors: they live in the graph's memory (or are its static inputs), so after a replay they
+    hold that replay's values, until the next replay of the same graph overwrites them. TGN keeps
+    the updated memory of a batch's roots this way for ``commit`` (under ``no_grad``). Anything
+    else (a tensor with a gradient path, another Python value, a CPU tensor, a registered
+    parameter, buffer or submodule, a deleted attribute) would be lost or skipped by a replay,
+    so the call signature is not captured. A forward that also *reads* such an attribute (its
+    own earlier write, as recurrent state would) is refused at capture too: see
+    :class:`_WrittenByForward`.
     """
     writes = []
     for module, key, value in changes:
@@ -386,6 +405,21 @@ class _Graphs:
                                "would write into the graph's copies, not the caller's tensors")
         versions = [s._version for s in static]
 
+        hidden = [(m, key, value) for m, key, value in _attribute_writes(before) if "." not in key
+                  and value is not _Backward]
+        for m, key, _ in hidden:
+            m.__dict__[key] = _WrittenByForward()
+        try:
+            return cls._capture_graphs(module, plain, args, kwargs, static, params, grad, before,
+                                       versions, device)
+        except BaseException:
+            for m, key, value in hidden:  # the uncaptured calls that follow see the warm-up's values
+                m.__dict__[key] = value
+            raise
+
+    @classmethod
+    def _capture_graphs(cls, module, plain, args, kwargs, static, params, grad, before, versions,
+                        device) -> "_Graphs":
         pool = torch.cuda.graph_pool_handle()
         fwd = torch.cuda.CUDAGraph()
         bwd, static_go, groups = None, [], []

@@ -528,6 +528,39 @@ def fused_time_encode(dt: Tensor, linear: torch.nn.Linear, *, site: str = "") ->
 # ----------------------------------------------------------------------------------------------
 
 
+def _splittable(linear: torch.nn.Module, parts: Sequence[Tensor]) -> bool:
+    """Whether :func:`linear_over_parts` may multiply ``parts`` group by group.
+
+    Not when: the knob is off; no gradient is recorded (nothing to save); autocast would round the
+    first product before the sum; the module is not a plain ``nn.Linear`` call (a subclass
+    forward, forward hooks or pre-hooks such as old-style weight norm, global module hooks); the
+    parts are not all same-dtype tensors of one leading shape whose widths sum to the weight's;
+    a zero-width part needs a gradient (it would get none); or all parts fall in one group.
+    """
+    from torch.nn.modules import module as module_hooks
+
+    if not default_config().passes.split_linear_inputs or not torch.is_grad_enabled():
+        return False
+    if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda")):
+        return False
+    if (type(linear).forward is not torch.nn.Linear.forward or linear._forward_hooks
+            or linear._forward_pre_hooks or module_hooks._global_forward_hooks
+            or module_hooks._global_forward_pre_hooks):
+        return False
+    weight = linear.weight
+    if any(not isinstance(p, Tensor) or p.dim() == 0 for p in parts):
+        return False
+    lead = parts[0].shape[:-1]
+    if any(p.shape[:-1] != lead or p.dtype != weight.dtype for p in parts):
+        return False
+    if sum(p.shape[-1] for p in parts) != weight.shape[1]:
+        return False
+    if any(p.shape[-1] == 0 and p.requires_grad for p in parts):
+        return False
+    groups = {p.requires_grad for p in parts if p.shape[-1] > 0}
+    return len(groups) == 2
+
+
 def linear_over_parts(linear: torch.nn.Linear, *parts: Tensor, site: str = "") -> Tensor:
     """``linear(torch.cat(parts, -1))``, the parts that need no gradient multiplied apart.
 
@@ -537,19 +570,16 @@ def linear_over_parts(linear: torch.nn.Linear, *parts: Tensor, site: str = "") -
     written. Runs the original when there is nothing to split or ``config.passes.split_linear_inputs``
     is off.
     """
+    if not _splittable(linear, parts):
+        return linear(torch.cat(parts, dim=-1))
     weight, bias = linear.weight, linear.bias
-    widths = [p.shape[-1] if p.dim() else -1 for p in parts]
+    widths = [p.shape[-1] for p in parts]
     free = [i for i, p in enumerate(parts) if widths[i] > 0 and not p.requires_grad]
     grad = [i for i, p in enumerate(parts) if widths[i] > 0 and p.requires_grad]
     lead = parts[0].shape[:-1]
-    if (not default_config().passes.split_linear_inputs or not torch.is_grad_enabled()
-            or not free or not grad or sum(max(w, 0) for w in widths) != weight.shape[1]
-            or any(p.shape[:-1] != lead or p.dtype != weight.dtype for p in parts)
-            or type(linear).forward is not torch.nn.Linear.forward):
-        return linear(torch.cat(parts, dim=-1))
     starts = [0]
     for w in widths:
-        starts.append(starts[-1] + max(w, 0))
+        starts.append(starts[-1] + w)
 
     def group(members: List[int]) -> Tuple[Tensor, Tensor]:
         x = parts[members[0]] if len(members) == 1 else torch.cat([parts[i] for i in members], -1)

@@ -56,7 +56,7 @@ class SplitLinearInputs(RewritePass):
         if not isinstance(parts, (list, tuple)) or len(parts) < 2 or \
                 not all(isinstance(p, fx.Node) for p in parts):
             return None
-        dim = arg(cat, 1, "dim", 0)
+        dim = arg(cat, 1, "dim", cat.kwargs.get("axis", 0))
         if dim != -1:
             return f"concatenation along dim {dim!r}; splitting needs the features dim, -1"
         return Match(anchor=node, output=node, nodes=[node, cat], target=lowering.linear_over_parts,

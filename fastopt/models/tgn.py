@@ -48,7 +48,7 @@ class MemoryModel(TGNNModel):
         keeps the embedding out of a CUDA graph; the repeated rows cost a few GRU rows instead.
         """
         fresh = self.updated_memory(roots)
-        self._fresh = (roots, fresh)
+        self._fresh = (roots, fresh.detach())  # commit() writes values, it needs no gradient
         return fresh
 
     @torch.no_grad()

@@ -274,3 +274,17 @@ def test_segments_group_slots_by_row_in_slot_order(table_rows):
     assert torch.equal(segptr[1:] - segptr[:-1], counts)
     expected = torch.argsort(flat, stable=True)
     assert torch.equal(perm, expected)
+
+
+@pytest.mark.parametrize("heads,knobs", [
+    (3, {}), (6, dict(kernels__heads_per_program=4)), (3, dict(kernels__heads_per_program=2)),
+], ids=["three-heads-one-program", "six-heads-groups-of-4", "three-heads-groups-of-2"])
+@pytest.mark.parametrize("mode", ["deterministic", "atomic"])
+@pytest.mark.parametrize("keys", ["indexed", "dense"])
+def test_head_counts_that_are_not_powers_of_two(heads, knobs, mode, keys, device):
+    """No phantom head: a program's heads beyond H neither compute nor write (LSE, coefficients)."""
+    case = (4, 3, heads, 8, "csr", keys, keys, 0.0, mode)
+    tensors, kwargs = _attention_inputs(case, device)
+    with fconfig.patch(kernels__backward_mode=mode, **knobs):
+        _check_against_reference(cg.temporal_attention, reference.temporal_attention, tensors,
+                                 kwargs)

@@ -274,7 +274,7 @@ def test_attribute_writes_are_detected():
     assert graphs._attribute_writes(before) == [(w, "last", x)]
 
 
-def test_tensor_attribute_writes_are_redone_detached_and_others_refuse_capture():
+def test_tensor_attribute_writes_are_redone_and_others_refuse_capture():
     class Keeper(nn.Module):
         def __init__(self):
             super().__init__()
@@ -283,22 +283,32 @@ def test_tensor_attribute_writes_are_redone_detached_and_others_refuse_capture()
 
     k = Keeper()
     cpu = torch.device("cpu")
-    x = torch.randn(3, requires_grad=True)
+    x = torch.randn(3)
     y = x * 2
     writes, refused = graphs.replayable_writes([(k, "kept", (x, [y, None]))], cpu)
     assert refused is None
     ((module, key, value),) = writes
     assert module is k and key == "kept"
     a, (b, c) = value
-    assert c is None and not a.requires_grad and not b.requires_grad
-    assert a.data_ptr() == x.data_ptr() and b.data_ptr() == y.data_ptr()  # same memory, detached
+    assert c is None and a.data_ptr() == x.data_ptr() and b.data_ptr() == y.data_ptr()
+    loss = (torch.randn(3, requires_grad=True) ** 2).sum()  # an auxiliary loss kept on the module
     for change, name in [((k, "kept", 3), "Keeper.kept"),
+                         ((k, "kept", (x, loss)), "Keeper.kept"),
                          ((k, "kept", {"a": x}), "Keeper.kept"),
                          ((k, "_buffers.buf", torch.ones(2)), "Keeper.buf"),
                          ((k, "kept", graphs._Backward), "Keeper.kept")]:
         assert graphs.replayable_writes([change], cpu) == ([], name)
     meta = torch.empty(2, device="meta")
     assert graphs.replayable_writes([(k, "kept", meta)], cpu) == ([], "Keeper.kept")
+
+
+def test_a_forward_reading_its_own_earlier_write_fails_during_capture():
+    """The stand-in for a warm-up's write is no tensor: recurrent state read back fails the capture."""
+    state = graphs._WrittenByForward()
+    with pytest.raises(TypeError):
+        state + torch.ones(2)
+    with pytest.raises(TypeError):
+        torch.cat([state, torch.ones(2)])
 
 
 def test_runner_passes_through_while_verify_calls_are_pending(fake_capture):

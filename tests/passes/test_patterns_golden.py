@@ -211,6 +211,32 @@ def test_split_linear_inputs():
         torch.testing.assert_close(gm(h, edge, dt)[0], before(h, edge, dt)[0])
 
 
+def test_split_linear_inputs_runs_the_original_where_splitting_would_change_it():
+    """Hooks, a zero-width part that needs a gradient: the concatenation and the Linear as written."""
+    torch.manual_seed(1)
+    before = KeysValuesOverParts()
+    gm, _ = SplitLinearInputs()(trace(before, training=False))
+    edge, dt = torch.randn(M, K, 5), torch.rand(M, K, 1)
+    handle = before.w_k.register_forward_hook(lambda mod, inp, out: out * 3.0)
+    h = torch.randn(M, K, 2, requires_grad=True)
+    torch.testing.assert_close(gm(h, edge, dt)[0], before(h, edge, dt)[0])
+    handle.remove()
+
+    class ZeroWidth(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(5, 4)
+
+        def forward(self, h, edge):
+            return self.proj(torch.cat([h, edge], dim=-1))
+
+    z = ZeroWidth()
+    gm, _ = SplitLinearInputs()(trace(z, training=False))
+    h = torch.randn(M, 0, requires_grad=True)
+    (grad,) = torch.autograd.grad(gm(h, torch.randn(M, 5)).sum(), [h])
+    assert grad.shape == (M, 0)
+
+
 def test_split_linear_inputs_leaves_other_concatenations():
     class AlongRows(nn.Module):
         def __init__(self):
