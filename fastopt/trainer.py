@@ -274,7 +274,8 @@ class Trainer:
         b, extra_neg = batch.src.shape[0], batch.extra
         inputs = self.build_inputs(batch.roots, batch.times, timer, sampled=batch.sampled)
         with timer("forward"):
-            h = model.embed(inputs)
+            # the module call, not .embed(): an optimized model's CUDA graphs wrap its forward
+            h = model(inputs)
             h_src = h[:b]
             pos = model.score(h_src, h[b : 2 * b])
             negs = model.score(h_src, h[2 * b : 3 * b])
