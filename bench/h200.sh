@@ -12,7 +12,7 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.lo
 timeout "${TESTS_S:-300}" python3 -m pytest -q -m gpu tests -p no:cacheprovider -ra > "$OUT/gputests.log" 2>&1
 timeout "${KERNELS_S:-170}" python3 bench/kernels.py --rows 18000 36000 --iters 20 --warmup 3 \
     --json "$OUT/kernels.json" --mappings block_m=2,num_warps=1 block_m=4,num_warps=1 > "$OUT/kernels.log" 2>&1
-timeout "${OPTIMIZE_S:-170}" python3 bench/optimize.py --models tgat,tgn --iters 30 --warmup 5 \
+timeout "${OPTIMIZE_S:-240}" python3 bench/optimize.py --models tgat,tgn --iters 30 --warmup 5 \
     --json "$OUT/optimize.json" > "$OUT/optimize.log" 2>&1
 grep -A30 "graph replay" "$OUT/kernels.log" | grep -v mapping
 grep -B1 -A12 "copy bandwidth" "$OUT/kernels.log" | head -8
