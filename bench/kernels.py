@@ -81,6 +81,21 @@ def eager_chain(q, k_table, v_table, index, mask, scale: float):
     return torch.einsum("mhk,mkhd->mhd", weights, v)
 
 
+def gradient_errors(q, k, v, index, mask, scale: float, grad) -> Dict[str, float]:
+    """Largest ``|fused - eager| / max|eager|`` of dq, dk, dv per backward mode (the benchmark's
+    own correctness check at its sizes, where table sizes pick the sort-key width)."""
+    import fastopt.config as fconfig
+
+    want = torch.autograd.grad(eager_chain(q, k, v, index, mask, scale), (q, k, v), grad)
+    errors = {}
+    for mode in ("deterministic", "atomic"):
+        with fconfig.patch(kernels__backward_mode=mode):
+            got = torch.autograd.grad(fused(q, k, v, index, mask, scale), (q, k, v), grad)
+        errors[mode] = max(float((g - w).abs().max() / w.abs().max().clamp_min(1e-30))
+                           for g, w in zip(got, want))
+    return errors
+
+
 def fused(q, k_table, v_table, index, mask, scale: float):
     from fastopt.codegen import temporal_attention
 
@@ -217,6 +232,7 @@ def run_shape(timer: Timer, rows: int, slots: int, heads: int, dim: int, compile
         reference_out = forward(eager_chain)
         fused_out = forward(fused)
         result["max_abs_diff"] = float((reference_out - fused_out).abs().max())
+        result["grad_rel_error"] = gradient_errors(q, k, v, index, mask, scale, grad)
         result["mappings"] = []
         for text in mappings:
             knobs = parse_mapping(text)
@@ -380,6 +396,10 @@ def print_table(rows: List[Dict[str, object]], bandwidth: float) -> None:
                  100 * r["fused_fwd_fraction_of_copy"]]
         print(" | ".join(f"{c:>12}" if isinstance(c, int) else f"{c:>12.3f}" for c in cells))
     print("times in ms (median, CUDA events); x = speedup of fused; f+b = forward+backward")
+    for r in rows:
+        errors = ", ".join(f"{mode} {err:.1e}" for mode, err in r["grad_rel_error"].items())
+        print(f"M={r['M']} d={r['d']}: forward max |fused - eager| {r['max_abs_diff']:.1e}; "
+              f"gradients max relative error {errors}")
     for r in rows:
         for entry in r.get("mappings", []):
             knobs = ",".join(f"{k}={v}" for k, v in entry["knobs"].items())
