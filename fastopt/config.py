@@ -85,7 +85,7 @@ class CacheConfig:
 class KernelsConfig:
     # use generated Triton kernels on CUDA (False: plain PyTorch references everywhere)
     enabled: bool = True
-    # destination rows handled by one program (thread-mapping knob)
+    # rows (attention/reduction: tiles of block_m rows) one program handles in turn; 0 = heuristic
     rows_per_program: int = 0
     # rows held side by side in one attention/reduction tile (power of two); 0 = heuristic
     block_m: int = 0

@@ -215,16 +215,20 @@ class _Backward:
         self.done = False
 
 
+_REGISTRIES = ("_parameters", "_buffers", "_modules")
+
+
+def _attributes(m: nn.Module) -> dict:
+    """Every attribute of ``m`` by name; registered ones as ``"_buffers.name"`` and so on."""
+    attrs = {k: v for k, v in m.__dict__.items() if k not in _REGISTRIES}
+    for reg in _REGISTRIES:
+        attrs.update({f"{reg}.{k}": v for k, v in m.__dict__.get(reg, {}).items()})
+    return attrs
+
+
 def _snapshot(module: nn.Module) -> list:
     """References to every attribute of every submodule, to detect writes by the forward."""
-    snap = []
-    for m in module.modules():
-        attrs = {k: v for k, v in m.__dict__.items()
-                 if k not in ("_parameters", "_buffers", "_modules")}
-        for reg in ("_parameters", "_buffers", "_modules"):
-            attrs.update({f"{reg}.{k}": v for k, v in m.__dict__.get(reg, {}).items()})
-        snap.append((m, attrs))
-    return snap
+    return [(m, _attributes(m)) for m in module.modules()]
 
 
 def _attribute_writes(before: list) -> List[Tuple[nn.Module, str, Any]]:
@@ -235,10 +239,7 @@ def _attribute_writes(before: list) -> List[Tuple[nn.Module, str, Any]]:
     """
     changes = []
     for m, attrs in before:
-        now = {k: v for k, v in m.__dict__.items()
-               if k not in ("_parameters", "_buffers", "_modules")}
-        for reg in ("_parameters", "_buffers", "_modules"):
-            now.update({f"{reg}.{k}": v for k, v in m.__dict__.get(reg, {}).items()})
+        now = _attributes(m)
         for name in sorted(set(attrs) | set(now)):
             if attrs.get(name, _Backward) is not now.get(name, _Backward):
                 changes.append((m, name, now.get(name, _Backward)))

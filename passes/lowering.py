@@ -528,37 +528,44 @@ def fused_time_encode(dt: Tensor, linear: torch.nn.Linear, *, site: str = "") ->
 # ----------------------------------------------------------------------------------------------
 
 
-def _splittable(linear: torch.nn.Module, parts: Sequence[Tensor]) -> bool:
-    """Whether :func:`linear_over_parts` may multiply ``parts`` group by group.
+def _split_groups(linear: torch.nn.Module, parts: Sequence[Tensor]
+                  ) -> Optional[Tuple[List[int], List[int]]]:
+    """The parts :func:`linear_over_parts` multiplies apart: ``(no gradient, gradient)`` indices.
 
-    Not when: the knob is off; no gradient is recorded (nothing to save); autocast would round the
-    first product before the sum; the module is not a plain ``nn.Linear`` call (a subclass
-    forward, forward hooks or pre-hooks such as old-style weight norm, global module hooks); the
-    parts are not all same-dtype tensors of one leading shape whose widths sum to the weight's;
-    a zero-width part needs a gradient (it would get none); or all parts fall in one group.
+    None (run the original) when: the knob is off; no gradient is recorded (nothing to save);
+    autocast would round the first product before the sum; the module is not a plain
+    ``nn.Linear`` call (a subclass forward, forward hooks or pre-hooks such as old-style weight
+    norm, global module hooks); the parts are not all same-dtype tensors of one leading shape
+    whose widths sum to the weight's; a zero-width part needs a gradient (it would get none); or
+    all parts fall in one group.
     """
     from torch.nn.modules import module as module_hooks
 
     if not default_config().passes.split_linear_inputs or not torch.is_grad_enabled():
-        return False
+        return None
     if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda")):
-        return False
+        return None
     if (type(linear).forward is not torch.nn.Linear.forward or linear._forward_hooks
             or linear._forward_pre_hooks or module_hooks._global_forward_hooks
             or module_hooks._global_forward_pre_hooks):
-        return False
+        return None
     weight = linear.weight
     if any(not isinstance(p, Tensor) or p.dim() == 0 for p in parts):
-        return False
+        return None
     lead = parts[0].shape[:-1]
-    if any(p.shape[:-1] != lead or p.dtype != weight.dtype for p in parts):
-        return False
-    if sum(p.shape[-1] for p in parts) != weight.shape[1]:
-        return False
-    if any(p.shape[-1] == 0 and p.requires_grad for p in parts):
-        return False
-    groups = {p.requires_grad for p in parts if p.shape[-1] > 0}
-    return len(groups) == 2
+    free, grad, width = [], [], 0
+    for i, p in enumerate(parts):
+        if p.shape[:-1] != lead or p.dtype != weight.dtype:
+            return None
+        width += p.shape[-1]
+        if p.shape[-1] == 0:
+            if p.requires_grad:
+                return None
+            continue
+        (grad if p.requires_grad else free).append(i)
+    if width != weight.shape[1] or not free or not grad:
+        return None
+    return free, grad
 
 
 def linear_over_parts(linear: torch.nn.Linear, *parts: Tensor, site: str = "") -> Tensor:
@@ -570,16 +577,14 @@ def linear_over_parts(linear: torch.nn.Linear, *parts: Tensor, site: str = "") -
     written. Runs the original when there is nothing to split or ``config.passes.split_linear_inputs``
     is off.
     """
-    if not _splittable(linear, parts):
+    groups = _split_groups(linear, parts)
+    if groups is None:
         return linear(torch.cat(parts, dim=-1))
+    free, grad = groups
     weight, bias = linear.weight, linear.bias
-    widths = [p.shape[-1] for p in parts]
-    free = [i for i, p in enumerate(parts) if widths[i] > 0 and not p.requires_grad]
-    grad = [i for i, p in enumerate(parts) if widths[i] > 0 and p.requires_grad]
-    lead = parts[0].shape[:-1]
     starts = [0]
-    for w in widths:
-        starts.append(starts[-1] + w)
+    for p in parts:
+        starts.append(starts[-1] + p.shape[-1])
 
     def group(members: List[int]) -> Tuple[Tensor, Tensor]:
         x = parts[members[0]] if len(members) == 1 else torch.cat([parts[i] for i in members], -1)
@@ -591,8 +596,8 @@ def linear_over_parts(linear: torch.nn.Linear, *parts: Tensor, site: str = "") -
     x_grad, w_grad = group(grad)
     y = torch.mm(x_free, w_free.t()) if bias is None else torch.addmm(bias, x_free, w_free.t())
     y = torch.addmm(y, x_grad, w_grad.t())
-    _record(site, (sum(widths[i] for i in free), sum(widths[i] for i in grad)))
-    return y.view(*lead, weight.shape[0])
+    _record(site, (x_free.shape[1], x_grad.shape[1]))
+    return y.view(*parts[0].shape[:-1], weight.shape[0])
 
 
 def project_rows(linear: torch.nn.Module, table: Tensor, index: Tensor, *, site: str = "") -> Tensor:
