@@ -52,6 +52,8 @@ class KernelConfig:
         heads_per_program: Heads per program; the grid's second axis covers the rest.
         num_warps: Warps per program.
         num_stages: Software-pipelining stages.
+        gather_eviction: L2 eviction hint of table-row gathers (``"evict_last"``; streamed
+            inputs and outputs then get ``"evict_first"``), or ``""`` for none.
     """
 
     rows_per_program: int = 1
@@ -61,6 +63,7 @@ class KernelConfig:
     heads_per_program: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    gather_eviction: str = ""
 
     def validate(self, slots: int, heads: int, dim: int) -> "KernelConfig":
         """Raise :class:`KernelError` if this mapping cannot run a ``K, H, d`` problem."""
@@ -80,6 +83,11 @@ class KernelConfig:
             raise KernelError(
                 f"KernelConfig.block_d={self.block_d} exceeds the limit {MAX_BLOCK_D}; split the "
                 f"feature dimension (d={dim}) into heads"
+            )
+        if self.gather_eviction not in ("", "evict_last"):
+            raise KernelError(
+                f"KernelConfig.gather_eviction={self.gather_eviction!r} is not a gather hint; use "
+                f"'evict_last' or '' (none)"
             )
         for name in ("rows_per_program", "num_warps", "num_stages"):
             value = getattr(self, name)
@@ -146,5 +154,7 @@ def heuristic_config(slots: int, heads: int, dim: int, capability: Tuple[int, in
                    if getattr(knobs, name)}
         if "heads_per_program" in changes:
             changes["heads_per_program"] = next_power_of_2(min(changes["heads_per_program"], heads))
+        if knobs.gather_eviction != "auto":
+            changes["gather_eviction"] = "" if knobs.gather_eviction == "none" else knobs.gather_eviction
         cfg = dataclasses.replace(cfg, **changes)
     return cfg.validate(slots, heads, dim)

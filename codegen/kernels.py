@@ -88,7 +88,7 @@ _SPECIALIZED: Dict[tuple, _Specialized] = {}
 def _knobs() -> tuple:
     knobs = default_config().kernels
     return (knobs.rows_per_program, knobs.block_m, knobs.heads_per_program, knobs.block_k,
-            knobs.num_warps, knobs.num_stages, knobs.cache_dir)
+            knobs.num_warps, knobs.num_stages, knobs.gather_eviction, knobs.cache_dir)
 
 
 def _kernel(family: str, device: torch.device, problem: Tuple[int, int, int],
@@ -105,7 +105,7 @@ def _kernel(family: str, device: torch.device, problem: Tuple[int, int, int],
                                row_tiles=family in _ROW_TILED_FAMILIES)
         source = render(family, rows=cfg.rows_per_program, block_m=cfg.block_m, block_k=cfg.block_k,
                         block_d=cfg.block_d, block_h=min(cfg.heads_per_program, problem[1]),
-                        **derive(cfg), **spec)
+                        gather_eviction=cfg.gather_eviction, **derive(cfg), **spec)
         fn = kernel_cache().load(CacheKey.build(family, source, cfg, device), source)
         hit = _SPECIALIZED[key] = _Specialized(fn, cfg)
     return hit

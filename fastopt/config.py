@@ -97,6 +97,9 @@ class KernelsConfig:
     num_warps: int = 0
     # software-pipelining stages; 0 = heuristic per GPU
     num_stages: int = 0
+    # L2 hint of attention's table-row gathers: "evict_last" keeps gathered key/value rows in L2
+    # (streamed queries, indices and outputs get "evict_first"), "none" gives no hint, "auto" = heuristic
+    gather_eviction: str = "auto"
     # backward into indexed tables: "deterministic" (segmented reduction) or "atomic"
     backward_mode: str = "deterministic"
     # on-disk kernel cache; "" = ~/.cache/fastopt/kernels (or $XDG_CACHE_HOME)
@@ -228,6 +231,8 @@ class Config:
                "'greedy' or 'proportional'")
         _check(self.kernels.backward_mode in ("deterministic", "atomic"), "kernels.backward_mode",
                self.kernels.backward_mode, "'deterministic' or 'atomic'")
+        _check(self.kernels.gather_eviction in ("auto", "none", "evict_last"), "kernels.gather_eviction",
+               self.kernels.gather_eviction, "one of 'auto', 'none', 'evict_last'")
         _check(self.kernels.backend in ("auto", "triton", "reference"), "kernels.backend",
                self.kernels.backend, "one of 'auto', 'triton', 'reference'")
         for knob in ("rows_per_program", "block_m", "heads_per_program", "block_k", "num_warps",

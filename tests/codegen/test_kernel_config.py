@@ -38,12 +38,17 @@ def test_knobs_override_heuristics():
         cfg = heuristic_config(10, 4, 50)
     assert (cfg.rows_per_program, cfg.num_warps, cfg.block_k, cfg.heads_per_program) == (4, 8, 4, 4)
     assert heuristic_config(10, 4, 50, apply_knobs=False).rows_per_program == 1
+    with fconfig.patch(kernels__gather_eviction="evict_last"):
+        assert heuristic_config(10, 4, 50).gather_eviction == "evict_last"
+    with fconfig.patch(kernels__gather_eviction="none"):
+        assert heuristic_config(10, 4, 50).gather_eviction == ""
 
 
 @pytest.mark.parametrize("cfg,match", [
     (KernelConfig(block_k=12), "block_k=12 must be a power of two; use 16"),
     (KernelConfig(block_d=32), "block_d=32 is below the head dimension d=50; use block_d=64"),
     (KernelConfig(block_d=64, num_warps=0), "num_warps=0 must be >= 1"),
+    (KernelConfig(block_d=64, gather_eviction="evict_first"), "gather_eviction='evict_first' is not"),
 ])
 def test_invalid_mapping_names_value_and_fix(cfg, match):
     with pytest.raises(KernelError, match=match):

@@ -221,8 +221,9 @@ def test_gradcheck_through_kernels(device):
     dict(kernels__rows_per_program=2, kernels__block_k=4, kernels__num_warps=2),
     dict(kernels__block_m=2, kernels__rows_per_program=3, kernels__heads_per_program=2),
     dict(kernels__block_m=1),
+    dict(kernels__gather_eviction="evict_last"),
 ], ids=["one-head-per-program", "head-pairs-three-rows", "two-rows-k-blocks-of-4",
-        "row-tiles-of-2-three-per-program", "one-row-tiles"])
+        "row-tiles-of-2-three-per-program", "one-row-tiles", "l2-hints"])
 def test_thread_mappings_agree(knobs, device):
     """Split heads, several rows per program and several slot blocks give the same results."""
     case = (7, 10, 4, 50, "mask", "indexed", "indexed", 0.2, "deterministic")
