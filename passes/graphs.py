@@ -164,14 +164,18 @@ def _config_key() -> tuple:
     return tuple(vars(cfg.kernels).values()) + tuple(vars(cfg.passes).values())
 
 
-def call_signature(module: nn.Module, spec: tuple, tensors: Sequence[Tensor]) -> tuple:
+def call_signature(module: nn.Module, spec: tuple, tensors: Sequence[Tensor],
+                   modules: Optional[Sequence[nn.Module]] = None) -> tuple:
     """The key of the graph pair that serves a call of ``module`` (see the module docstring).
+
+    ``modules`` is ``list(module.modules())`` where the caller holds it already.
 
     Raises:
         Uncapturable: A constant argument is not hashable.
     """
+    modules = module.modules() if modules is None else modules
     key = (spec, tuple(_tensor_meta(t) for t in tensors),
-           tuple(m.training for m in module.modules()), torch.is_grad_enabled(),
+           tuple(m.training for m in modules), torch.is_grad_enabled(),
            torch.is_inference_mode_enabled(), torch.is_autocast_enabled(), _config_key())
     try:
         hash(key)
@@ -181,11 +185,30 @@ def call_signature(module: nn.Module, spec: tuple, tensors: Sequence[Tensor]) ->
     return key
 
 
-def _state_key(module: nn.Module) -> tuple:
-    """Where the module's parameters and buffers live: a change (``.to()``, a new Parameter)
-    makes every captured graph stale."""
-    return (tuple((p.data_ptr(), p.requires_grad) for p in module.parameters()),
-            tuple(b.data_ptr() for b in module.buffers()))
+class _ModuleState:
+    """Where a module's parameters and buffers live: a change (``.to()``, a new Parameter or
+    submodule) makes every captured graph stale.
+
+    Walking ``module.modules()`` costs tens of microseconds per call, as much as a small graph's
+    device time; the submodule list is kept and walked again only when a kept module's children
+    change.
+    """
+
+    def __init__(self) -> None:
+        self.modules: List[nn.Module] = []
+        self._children: tuple = ()
+
+    def key(self, module: nn.Module) -> tuple:
+        children = tuple(id(c) for m in self.modules for c in m._modules.values())
+        if not self.modules or self.modules[0] is not module or children != self._children:
+            self.modules = list(module.modules())
+            children = tuple(id(c) for m in self.modules for c in m._modules.values())
+            self._children = children
+        return (children,
+                tuple((p.data_ptr(), p.requires_grad) for m in self.modules
+                      for p in m._parameters.values() if p is not None),
+                tuple(b.data_ptr() for m in self.modules for b in m._buffers.values()
+                      if b is not None))
 
 
 def _where_tensors_are(tensors: Sequence[Tensor]) -> Optional[str]:
@@ -353,6 +376,8 @@ class _Graphs:
                  static_outputs: List[Tensor], differentiable: List[bool], bwd,
                  static_grad_outputs: List[Tensor], grad_groups: list, surface_size: int) -> None:
         self.static_inputs = static_inputs
+        self.input_groups = _same_kind_groups(static_inputs)
+        self.grad_output_groups = _same_kind_groups(static_grad_outputs)
         self.params = params
         self.fwd, self.bwd = fwd, bwd
         self.out_spec = out_spec
@@ -461,7 +486,7 @@ class _Graphs:
 
     def run(self, tensors: Sequence[Tensor]) -> Any:
         with torch.no_grad():
-            torch._foreach_copy_(self.static_inputs, list(tensors))
+            _copy_grouped(self.static_inputs, tensors, self.input_groups)
         if self.bwd is None:
             self.fwd.replay()
             self.redo_writes()
@@ -470,6 +495,26 @@ class _Graphs:
         grad_inputs = [t for t, s in zip(tensors, self.static_inputs) if s.requires_grad]
         outs = _Replay.apply(self, *grad_inputs, *self.params)
         return unflatten(self.out_spec, list(outs))
+
+
+def _same_kind_groups(tensors: Sequence[Tensor]) -> List[Tuple[List[Tensor], List[int]]]:
+    """``tensors`` split by dtype and device: ``(members, positions)`` per kind.
+
+    ``torch._foreach_copy_`` runs one fused copy kernel per call only when every tensor of both
+    lists has one dtype; a mixed list falls back to one copy (and one launch) per tensor.
+    """
+    by_kind: Dict[tuple, Tuple[List[Tensor], List[int]]] = {}
+    for i, t in enumerate(tensors):
+        members, positions = by_kind.setdefault((t.dtype, t.device), ([], []))
+        members.append(t)
+        positions.append(i)
+    return list(by_kind.values())
+
+
+def _copy_grouped(static: Sequence[Tensor], fresh: Sequence[Tensor], groups) -> None:
+    """``static[i].copy_(fresh[i])`` for all i, one ``_foreach_copy_`` per group of one kind."""
+    for members, positions in groups:
+        torch._foreach_copy_(members, [fresh[i] for i in positions])
 
 
 def _flat_groups(grads: Sequence[Optional[Tensor]]) -> list:
@@ -516,7 +561,7 @@ class _Replay(torch.autograd.Function):
                 "retain_graph, or set config.passes.cuda_graphs='off'")
         diff = [g for g, d in zip(grad_outputs, graphs.differentiable) if d]
         with torch.no_grad():
-            torch._foreach_copy_(graphs.static_grad_outputs, diff)
+            _copy_grouped(graphs.static_grad_outputs, diff, graphs.grad_output_groups)
         graphs.bwd.replay()
         ctx.token.done = True
         grads: List[Optional[Tensor]] = [None] * graphs.surface_size
@@ -552,6 +597,7 @@ class GraphRunner:
         self._graphs: "OrderedDict[tuple, _Graphs]" = OrderedDict()
         self._seen: "OrderedDict[tuple, None]" = OrderedDict()
         self._state: Optional[tuple] = None
+        self._module_state = _ModuleState()
         self._off: Optional[str] = None
 
     # copies of an optimized model start without graphs
@@ -591,12 +637,12 @@ class GraphRunner:
             if self.record.state != "captured":
                 self.record.state, self.record.reason = "not captured", where
             return plain(*args, **kwargs)
+        state = self._module_state.key(module)
         try:
-            key = call_signature(module, spec, tensors)
+            key = call_signature(module, spec, tensors, self._module_state.modules)
         except Uncapturable as exc:
             self.record.reason = str(exc)
             return plain(*args, **kwargs)
-        state = _state_key(module)
         if state != self._state:
             self._graphs.clear()
             self._state = state

@@ -20,17 +20,19 @@ def _args(device, rows=5, slots=6, heads=2, dim=8):
 
 
 def test_tensor_seed_gives_the_int_seeds_mask_forward_and_backward(device, triton_backend):
+    """Same mask: equal up to float order (the two keys compile to two kernels, which may contract
+    multiply-adds differently), while another key's mask changes outputs by O(1)."""
     q, k, v, mask = _args(device)
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device)
     by_int = cg.temporal_attention(q, k, v, mask, dropout_p=0.3, seed=12345)
     seed = torch.tensor([12345], device=device)
     by_tensor = cg.temporal_attention(q, k, v, mask, dropout_p=0.3, seed=seed)
-    assert torch.equal(by_int, by_tensor)
+    torch.testing.assert_close(by_tensor, by_int, rtol=1e-5, atol=1e-6)
     for a, b in zip(torch.autograd.grad(by_int, (q, k, v), grad),
                     torch.autograd.grad(by_tensor, (q, k, v), grad)):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     other = cg.temporal_attention(q, k, v, mask, dropout_p=0.3, seed=torch.tensor([777], device=device))
-    assert not torch.equal(other, by_int)  # the kernel reads the key, it does not ignore it
+    assert float((other - by_int).abs().max()) > 1e-2  # the kernel reads the key, it does not ignore it
 
 
 def test_dropout_seed_is_a_device_tensor_where_the_kernels_run(device, triton_backend):

@@ -421,9 +421,11 @@ def test_outputs_survive_later_calls_and_overlapping_calls_stay_correct():
     (out_a.sum() + 2 * out_b.sum()).backward()
     got = {n: p.grad for n, p in fast.named_parameters() if p.grad is not None}
     assert got.keys() == want.keys() and want
-    for n in want:  # b ran uncaptured (fused kernels): float-order noise, relative to the scale
-        scale = float(want[n].abs().max())
-        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-4 * max(scale, 1e-3))
+    # b ran uncaptured (fused kernels): float-order noise, relative to the gradients' scale (a
+    # parameter whose gradient cancels to near zero keeps the noise of its larger summands)
+    scale = max(float(g.abs().max()) for g in want.values())
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-4 * scale)
     out_c = fast(b)  # a replay again
     torch.testing.assert_close(out_b, model(b), rtol=1e-4, atol=1e-5)  # b's output kept its values
     torch.testing.assert_close(out_c, out_b, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,148 @@
+"""Where a CUDA-graphed fastopt step's time goes: host work before, between and after the graphs.
+
+For each reference model, at the batch shapes of ``bench/optimize.py``, with the optimized
+model's CUDA graphs captured, measures (medians of ``--iters`` steps after ``--warmup``):
+
+- ``step_ms``: forward + ``sum().backward()``, CUDA events around it, as in bench/optimize.py;
+- ``fwd_graph_ms`` / ``bwd_graph_ms``: device time of the forward / backward graph replayed alone;
+- ``prelaunch_us``: host time from the call until the forward graph's launch (argument checks,
+  call key, input copies);
+- ``fwd_launch_us`` / ``bwd_launch_us``: host time of launching each graph;
+- ``host_fwd_us`` / ``host_bwd_us``: host time until the forward call returns / until backward
+  returns (no synchronization inside either).
+
+``step_ms - fwd_graph_ms - bwd_graph_ms`` is what the device spends waiting for the host (or in
+work outside the graphs). Prints a table and writes JSON with the date, GPU, versions, commit and
+command::
+
+    python bench/step_breakdown.py --json bench/results/step-breakdown.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import fastopt
+from _meta import git_commit
+from optimize import _inputs, _models, _warm_memory
+
+
+def _median_events(fn, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _graphs_of(model):
+    runner = model.__dict__.get("_fastopt_graph_runner")
+    held = list(runner._graphs.values()) if runner is not None else []
+    return held[0] if len(held) == 1 else None
+
+
+def breakdown(fast, inputs, warmup: int, iters: int) -> dict:
+    for _ in range(warmup):
+        fast(inputs).sum().backward()
+    torch.cuda.synchronize()
+    graphs = _graphs_of(fast)
+    if graphs is None or graphs.bwd is None:
+        return {"error": "the model's root call was not captured as one forward/backward pair"}
+    row = {"step_ms": _median_events(lambda: fast(inputs).sum().backward(), iters),
+           "fwd_graph_ms": _median_events(graphs.fwd.replay, iters),
+           "bwd_graph_ms": _median_events(graphs.bwd.replay, iters)}
+    marks = {}
+
+    def timed(graph, name):
+        replay = graph.replay
+
+        def wrapper():
+            marks[f"{name}_enter"] = time.perf_counter()
+            replay()
+            marks[f"{name}_exit"] = time.perf_counter()
+        return wrapper
+
+    graphs.fwd.replay, graphs.bwd.replay = timed(graphs.fwd, "fwd"), timed(graphs.bwd, "bwd")
+    samples = {k: [] for k in ("prelaunch_us", "fwd_launch_us", "bwd_launch_us", "host_fwd_us",
+                               "host_bwd_us")}
+    try:
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fast(inputs)
+            t1 = time.perf_counter()
+            out.sum().backward()
+            t2 = time.perf_counter()
+            torch.cuda.synchronize()
+            samples["prelaunch_us"].append(marks["fwd_enter"] - t0)
+            samples["fwd_launch_us"].append(marks["fwd_exit"] - marks["fwd_enter"])
+            samples["bwd_launch_us"].append(marks["bwd_exit"] - marks["bwd_enter"])
+            samples["host_fwd_us"].append(t1 - t0)
+            samples["host_bwd_us"].append(t2 - t1)
+    finally:
+        del graphs.fwd.replay, graphs.bwd.replay
+    row.update({k: 1e6 * statistics.median(v) for k, v in samples.items()})
+    row["device_idle_ms"] = row["step_ms"] - row["fwd_graph_ms"] - row["bwd_graph_ms"]
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write results to this JSON file")
+    parser.add_argument("--models", default="tgn,tgat")
+    parser.add_argument("--roots", type=int, default=600)
+    parser.add_argument("--num-nodes", type=int, default=9227)
+    parser.add_argument("--edge-dim", type=int, default=172)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/step_breakdown.py needs a CUDA GPU; none is available here. Nothing was measured.")
+        return 0
+    device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = []
+    for name in args.models.split(","):
+        torch.manual_seed(0)
+        model = _models(args.num_nodes, args.edge_dim)[name]().to(device).train()
+        _warm_memory(model)
+        inputs = _inputs(model, args.roots, args.num_nodes, args.edge_dim, device)
+        fast = fastopt.optimize(model)
+        rows.append({"model": name, **breakdown(fast, inputs, args.warmup, args.iters)})
+    cols = ("step_ms", "fwd_graph_ms", "bwd_graph_ms", "device_idle_ms", "prelaunch_us",
+            "fwd_launch_us", "bwd_launch_us", "host_fwd_us", "host_bwd_us")
+    print(f"{'model':>8} " + " ".join(f"{c:>14}" for c in cols))
+    for r in rows:
+        print(f"{r['model']:>8} " + " ".join(f"{r[c]:14.3f}" if c in r else f"{'-':>14}"
+                                            for c in cols), r.get("error", ""))
+    if args.json:
+        import triton
+
+        record = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "python": platform.python_version(),
+            "fastopt": fastopt.__version__, "git_commit": git_commit(),
+            "command": " ".join([sys.executable, *sys.argv]),
+            "timing": f"medians of {args.iters} steps after {args.warmup} warm-up; host times by "
+                      f"perf_counter, device times by CUDA events", "results": rows}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
