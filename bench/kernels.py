@@ -56,12 +56,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def parse_mapping(text: str) -> Dict[str, int]:
-    """``"rows_per_program=2,num_warps=4"`` -> ``{"rows_per_program": 2, "num_warps": 4}``."""
+def parse_mapping(text: str) -> Dict[str, object]:
+    """``"rows_per_program=2,gather_eviction=evict_last"`` -> ``{"rows_per_program": 2,
+    "gather_eviction": "evict_last"}`` (integers where the value is one)."""
     knobs = {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
-        knobs[name.strip()] = int(value)
+        value = value.strip()
+        knobs[name.strip()] = int(value) if value.lstrip("-").isdigit() else value
     return knobs
 
 
