@@ -7,7 +7,8 @@ reference, off (``config.passes.cuda_graphs``) and without the split of Linears 
 concatenations (``config.passes.split_linear_inputs``), at TGN/TGAT batch shapes (600 roots = 200 events with their
 destinations and negatives; 10 most recent neighbors for TGN, 10 x 10 uniform for TGAT; width 100,
 2 heads, 172 edge features as in Wikipedia/Reddit). Each step is timed with CUDA events after
-warm-up; the median is reported. Prints a table and writes JSON with the date, GPU, versions, git
+warm-up, gradients set to None before it (untimed, as a training loop's ``zero_grad()``); the
+median is reported. Prints a table and writes JSON with the date, GPU, versions, git
 commit and the exact command::
 
     python bench/optimize.py --json bench/results/optimize_h200.json
@@ -64,16 +65,25 @@ def _step_begin() -> None:
     torch.compiler.cudagraph_mark_step_begin()
 
 
-def _time(fn, inputs, warmup: int, iters: int, before_step=None) -> float:
-    for _ in range(warmup):
+def _time(fn, inputs, warmup: int, iters: int, before_step=None, params=()) -> float:
+    """Median CUDA-event time of ``fn(inputs).sum().backward()``; before each step (untimed) the
+    gradients are set to None, as ``optimizer.zero_grad()`` does in a training loop (and the
+    Trainer), so every column's backward stores its gradients rather than adding to old ones."""
+    params = list(params)
+
+    def prepare():
+        for p in params:
+            p.grad = None
         if before_step:
             before_step()
+
+    for _ in range(warmup):
+        prepare()
         fn(inputs).sum().backward()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
-        if before_step:
-            before_step()
+        prepare()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn(inputs).sum().backward()
@@ -167,7 +177,8 @@ def main(argv=None) -> int:
                 if column.startswith("compile"):
                     torch._dynamo.reset()
                     fn = fn()
-                row[column] = _time(fn, inputs, args.warmup, args.iters, before)
+                row[column] = _time(fn, inputs, args.warmup, args.iters, before,
+                                    params=model.parameters())
                 if column.startswith("compile"):
                     torch._dynamo.reset()
             except Exception as exc:  # noqa: BLE001 - a failed column is reported, not fatal

@@ -3,7 +3,8 @@
 For each reference model, at the batch shapes of ``bench/optimize.py``, with the optimized
 model's CUDA graphs captured, measures (medians of ``--iters`` steps after ``--warmup``):
 
-- ``step_ms``: forward + ``sum().backward()``, CUDA events around it, as in bench/optimize.py;
+- ``step_ms``: forward + ``sum().backward()``, CUDA events around it, gradients set to None
+  before it (untimed), as in bench/optimize.py;
 - ``fwd_graph_ms`` / ``bwd_graph_ms``: device time of the forward / backward graph replayed alone;
 - ``prelaunch_us``: host time from the call until the forward graph's launch (argument checks,
   call key, input copies);
@@ -36,9 +37,11 @@ from _meta import git_commit
 from optimize import _inputs, _models, _warm_memory
 
 
-def _median_events(fn, iters: int) -> float:
+def _median_events(fn, iters: int, prepare=None) -> float:
     times = []
     for _ in range(iters):
+        if prepare is not None:
+            prepare()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -55,13 +58,23 @@ def _graphs_of(model):
 
 
 def breakdown(fast, inputs, warmup: int, iters: int) -> dict:
-    for _ in range(warmup):
+    params = list(fast.parameters())
+
+    def step():
         fast(inputs).sum().backward()
+
+    def prepare():  # as a training loop's zero_grad(), untimed
+        for p in params:
+            p.grad = None
+
+    for _ in range(warmup):
+        prepare()
+        step()
     torch.cuda.synchronize()
     graphs = _graphs_of(fast)
     if graphs is None or graphs.bwd is None:
         return {"error": "the model's root call was not captured as one forward/backward pair"}
-    row = {"step_ms": _median_events(lambda: fast(inputs).sum().backward(), iters),
+    row = {"step_ms": _median_events(step, iters, prepare),
            "fwd_graph_ms": _median_events(graphs.fwd.replay, iters),
            "bwd_graph_ms": _median_events(graphs.bwd.replay, iters)}
     marks = {}
@@ -80,6 +93,7 @@ def breakdown(fast, inputs, warmup: int, iters: int) -> dict:
                                "host_bwd_us")}
     try:
         for _ in range(iters):
+            prepare()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             out = fast(inputs)
