@@ -10,7 +10,11 @@ model's CUDA graphs captured, measures (medians of ``--iters`` steps after ``--w
   call key, input copies);
 - ``fwd_launch_us`` / ``bwd_launch_us``: host time of launching each graph;
 - ``host_fwd_us`` / ``host_bwd_us``: host time until the forward call returns / until backward
-  returns (no synchronization inside either).
+  returns (no synchronization inside either);
+- ``bwd_enter_us``: host time from the call until the backward graph's launch (compare with
+  ``prelaunch_us + fwd_launch_us + 1000 * fwd_graph_ms``, when the forward graph ends on the
+  device: a launch at that moment waited for it); ``after_bwd_launch_us``: host time from that
+  launch until backward returns.
 
 ``step_ms - fwd_graph_ms - bwd_graph_ms`` is what the device spends waiting for the host (or in
 work outside the graphs). Prints a table and writes JSON with the date, GPU, versions, commit and
@@ -90,7 +94,7 @@ def breakdown(fast, inputs, warmup: int, iters: int) -> dict:
 
     graphs.fwd.replay, graphs.bwd.replay = timed(graphs.fwd, "fwd"), timed(graphs.bwd, "bwd")
     samples = {k: [] for k in ("prelaunch_us", "fwd_launch_us", "bwd_launch_us", "host_fwd_us",
-                               "host_bwd_us")}
+                               "host_bwd_us", "bwd_enter_us", "after_bwd_launch_us")}
     try:
         for _ in range(iters):
             prepare()
@@ -106,6 +110,8 @@ def breakdown(fast, inputs, warmup: int, iters: int) -> dict:
             samples["bwd_launch_us"].append(marks["bwd_exit"] - marks["bwd_enter"])
             samples["host_fwd_us"].append(t1 - t0)
             samples["host_bwd_us"].append(t2 - t1)
+            samples["bwd_enter_us"].append(marks["bwd_enter"] - t0)
+            samples["after_bwd_launch_us"].append(t2 - marks["bwd_exit"])
     finally:
         del graphs.fwd.replay, graphs.bwd.replay
     row.update({k: 1e6 * statistics.median(v) for k, v in samples.items()})
@@ -137,7 +143,8 @@ def main(argv=None) -> int:
         fast = fastopt.optimize(model)
         rows.append({"model": name, **breakdown(fast, inputs, args.warmup, args.iters)})
     cols = ("step_ms", "fwd_graph_ms", "bwd_graph_ms", "device_idle_ms", "prelaunch_us",
-            "fwd_launch_us", "bwd_launch_us", "host_fwd_us", "host_bwd_us")
+            "fwd_launch_us", "bwd_launch_us", "host_fwd_us", "host_bwd_us", "bwd_enter_us",
+            "after_bwd_launch_us")
     print(f"{'model':>8} " + " ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print(f"{r['model']:>8} " + " ".join(f"{r[c]:14.3f}" if c in r else f"{'-':>14}"

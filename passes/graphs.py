@@ -498,13 +498,15 @@ class _Graphs:
 
 
 def _same_kind_groups(tensors: Sequence[Tensor]) -> List[Tuple[List[Tensor], List[int]]]:
-    """``tensors`` split by dtype and device: ``(members, positions)`` per kind.
+    """``tensors`` with elements, split by dtype and device: ``(members, positions)`` per kind.
 
     ``torch._foreach_copy_`` runs one fused copy kernel per call only when every tensor of both
     lists has one dtype; a mixed list falls back to one copy (and one launch) per tensor.
     """
     by_kind: Dict[tuple, Tuple[List[Tensor], List[int]]] = {}
     for i, t in enumerate(tensors):
+        if t.numel() == 0:  # nothing to copy
+            continue
         members, positions = by_kind.setdefault((t.dtype, t.device), ([], []))
         members.append(t)
         positions.append(i)

@@ -55,8 +55,9 @@ def test_build_hashes_source_config_and_versions():
     assert CacheKey.build("demo", SOURCE + "\n", KernelConfig(), torch.device("cpu"),
                           VERSIONS).digest != base.digest
     for field in dataclasses.fields(KernelConfig):
-        other = dataclasses.replace(KernelConfig(), **{field.name: 2 * getattr(KernelConfig(),
-                                                                               field.name)})
+        value = getattr(KernelConfig(), field.name)
+        other = dataclasses.replace(KernelConfig(), **{field.name: "evict_last" if isinstance(
+            value, str) else 2 * value})
         assert CacheKey.build("demo", SOURCE, other, torch.device("cpu"),
                               VERSIONS).digest != base.digest, field.name
     for package in VERSIONS:
