@@ -14,7 +14,8 @@ model's CUDA graphs captured, measures (medians of ``--iters`` steps after ``--w
 - ``bwd_enter_us``: host time from the call until the backward graph's launch (compare with
   ``prelaunch_us + fwd_launch_us + 1000 * fwd_graph_ms``, when the forward graph ends on the
   device: a launch at that moment waited for it); ``after_bwd_launch_us``: host time from that
-  launch until backward returns.
+  launch until backward returns; ``before_copy_us``, ``input_copy_us``, ``copy_to_launch_us``:
+  ``prelaunch_us`` split at the copy of the call's tensors into the graph's inputs.
 
 ``step_ms - fwd_graph_ms - bwd_graph_ms`` is what the device spends waiting for the host (or in
 work outside the graphs). Prints a table and writes JSON with the date, GPU, versions, commit and
@@ -92,13 +93,28 @@ def breakdown(fast, inputs, warmup: int, iters: int) -> dict:
             marks[f"{name}_exit"] = time.perf_counter()
         return wrapper
 
+    from fastopt.passes import graphs as graph_module
+
+    copy = graph_module._copy_grouped
+
+    def timed_copy(*args):  # the first copy of a step is the input copy
+        first = "copy_enter" not in marks
+        if first:
+            marks["copy_enter"] = time.perf_counter()
+        copy(*args)
+        if first:
+            marks["copy_exit"] = time.perf_counter()
+
     graphs.fwd.replay, graphs.bwd.replay = timed(graphs.fwd, "fwd"), timed(graphs.bwd, "bwd")
+    graph_module._copy_grouped = timed_copy
     samples = {k: [] for k in ("prelaunch_us", "fwd_launch_us", "bwd_launch_us", "host_fwd_us",
-                               "host_bwd_us", "bwd_enter_us", "after_bwd_launch_us")}
+                               "host_bwd_us", "bwd_enter_us", "after_bwd_launch_us",
+                               "before_copy_us", "input_copy_us", "copy_to_launch_us")}
     try:
         for _ in range(iters):
             prepare()
             torch.cuda.synchronize()
+            marks.clear()
             t0 = time.perf_counter()
             out = fast(inputs)
             t1 = time.perf_counter()
@@ -112,8 +128,12 @@ def breakdown(fast, inputs, warmup: int, iters: int) -> dict:
             samples["host_bwd_us"].append(t2 - t1)
             samples["bwd_enter_us"].append(marks["bwd_enter"] - t0)
             samples["after_bwd_launch_us"].append(t2 - marks["bwd_exit"])
+            samples["before_copy_us"].append(marks["copy_enter"] - t0)
+            samples["input_copy_us"].append(marks["copy_exit"] - marks["copy_enter"])
+            samples["copy_to_launch_us"].append(marks["fwd_enter"] - marks["copy_exit"])
     finally:
         del graphs.fwd.replay, graphs.bwd.replay
+        graph_module._copy_grouped = copy
     row.update({k: 1e6 * statistics.median(v) for k, v in samples.items()})
     row["device_idle_ms"] = row["step_ms"] - row["fwd_graph_ms"] - row["bwd_graph_ms"]
     return row
@@ -144,7 +164,7 @@ def main(argv=None) -> int:
         rows.append({"model": name, **breakdown(fast, inputs, args.warmup, args.iters)})
     cols = ("step_ms", "fwd_graph_ms", "bwd_graph_ms", "device_idle_ms", "prelaunch_us",
             "fwd_launch_us", "bwd_launch_us", "host_fwd_us", "host_bwd_us", "bwd_enter_us",
-            "after_bwd_launch_us")
+            "after_bwd_launch_us", "before_copy_us", "input_copy_us", "copy_to_launch_us")
     print(f"{'model':>8} " + " ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print(f"{r['model']:>8} " + " ".join(f"{r[c]:14.3f}" if c in r else f"{'-':>14}"
