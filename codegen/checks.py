@@ -235,3 +235,32 @@ def check_aggregate(x: Tensor, mask: Optional[Tensor], indptr: Optional[Tensor],
     layout = NeighborLayout(rows, slots)
     _valid_form(mask, indptr, layout, x)
     return layout
+
+
+def row_stride(t: Tensor, dense: bool) -> Optional[int]:
+    """Elements between consecutive key/value rows of ``t``, or None if they are not evenly spaced.
+
+    A row is one slot's (dense ``[M, K, H, d]``, rows ``m * K + j``) or one table row's
+    (``[U, H, d]``) ``H * d`` elements, which must be contiguous; the kernels read rows that far
+    apart, so the key and value column blocks of one wider product need no copy.
+    """
+    heads, dim = t.shape[-2], t.shape[-1]
+    if (dim > 1 and t.stride(-1) != 1) or (heads > 1 and t.stride(-2) != dim):
+        return None
+    width = heads * dim
+    if dense:
+        rows, slots = t.shape[0], t.shape[1]
+        if slots == 1:
+            step = t.stride(0) if rows > 1 else width
+        else:
+            step = t.stride(1)
+            if rows > 1 and t.stride(0) != slots * step:
+                return None
+    else:
+        step = t.stride(0) if t.shape[0] > 1 else width
+    return step if step >= width else None
+
+
+def key_rows(t: Tensor, dense: bool) -> Tensor:
+    """``t`` itself where its rows are evenly spaced (see :func:`row_stride`), else a contiguous copy."""
+    return t if row_stride(t, dense) is not None else t.contiguous()

@@ -20,7 +20,7 @@ import jinja2
 import torch
 from torch import Tensor
 
-from fastopt.codegen import reference
+from fastopt.codegen import checks, reference
 from fastopt.codegen.cache import KERNEL_NAME_PLACEHOLDER, CacheKey, device_identity, kernel_cache
 from fastopt.codegen.kernel_config import KernelConfig, heuristic_config, next_power_of_2
 from fastopt.config import default_config
@@ -150,7 +150,13 @@ def _attention_spec(q: Tensor, k: Tensor, v: Tensor, mask, indptr, k_index, v_in
                     dropout_p: float, time_dim: int, stage: str, seed=0) -> dict:
     rows, heads, dim = q.shape
     slots = (k_index if k_index is not None else k).shape[1]
-    return dict(stage=stage, K=slots, H=heads, D=dim, dtype=_TL_DTYPES[q.dtype],
+    strides = [checks.row_stride(t, index is None) for t, index in ((k, k_index), (v, v_index))]
+    if None in strides:
+        raise KernelError("attention keys and values need rows of H*d contiguous elements, evenly "
+                          f"spaced (strides {tuple(k.stride())}, {tuple(v.stride())}); pass "
+                          ".contiguous() tensors")
+    return dict(stage=stage, K=slots, H=heads, D=dim, k_stride=strides[0], v_stride=strides[1],
+                dtype=_TL_DTYPES[q.dtype],
                 acc=_TL_DTYPES[_acc_dtype(q.dtype)], mask_form=_mask_form(mask, indptr),
                 k_indexed=k_index is not None, v_indexed=v_index is not None,
                 dropout=dropout_p > 0.0, dropout_bits=reference.DROPOUT_BITS, time_dim=time_dim,

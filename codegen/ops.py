@@ -232,8 +232,9 @@ def temporal_attention(
     eager = _eager_kernels(q, k, v, mask, indptr, k_index, v_index)
     if isinstance(seed, Tensor) and not eager:
         seed = int(seed.reshape(()).item()) % checks.MAX_SEED  # the custom op's schema takes an int
-    args = (q.contiguous(), k.contiguous(), v.contiguous(), mask, indptr, k_index, v_index,
-            _scale(q, scale), float(dropout_p), seed if isinstance(seed, Tensor) else int(seed))
+    args = (q.contiguous(), checks.key_rows(k, k_index is None), checks.key_rows(v, v_index is None),
+            mask, indptr, k_index, v_index, _scale(q, scale), float(dropout_p),
+            seed if isinstance(seed, Tensor) else int(seed))
     if eager:
         return _EagerAttention.apply(*args)
     out, _ = torch.ops.fastopt.temporal_attention(*args)

@@ -123,6 +123,8 @@ class PassesConfig:
     max_graphs: int = 8
     # Linear(cat(parts)): multiply the parts needing no gradient apart (no input gradient for them)
     split_linear_inputs: bool = True
+    # Linears of one concatenated input (keys and values): one product of their stacked weights
+    merge_sibling_linears: bool = True
 
 
 @dataclass

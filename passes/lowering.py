@@ -44,6 +44,7 @@ __all__ = [
     "fused_masked_aggregate",
     "fused_time_encode",
     "linear_over_parts",
+    "linears_over_parts",
     "project_rows",
     "site_shapes",
 ]
@@ -539,15 +540,11 @@ def _split_groups(linear: torch.nn.Module, parts: Sequence[Tensor]
     whose widths sum to the weight's; a zero-width part needs a gradient (it would get none); or
     all parts fall in one group.
     """
-    from torch.nn.modules import module as module_hooks
-
     if not default_config().passes.split_linear_inputs or not torch.is_grad_enabled():
         return None
     if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda")):
         return None
-    if (type(linear).forward is not torch.nn.Linear.forward or linear._forward_hooks
-            or linear._forward_pre_hooks or module_hooks._global_forward_hooks
-            or module_hooks._global_forward_pre_hooks):
+    if not _plain_linear(linear):
         return None
     weight = linear.weight
     if any(not isinstance(p, Tensor) or p.dim() == 0 for p in parts):
@@ -580,8 +577,63 @@ def linear_over_parts(linear: torch.nn.Linear, *parts: Tensor, site: str = "") -
     groups = _split_groups(linear, parts)
     if groups is None:
         return linear(torch.cat(parts, dim=-1))
+    return _product_over_parts(linear.weight, linear.bias, parts, groups, site)
+
+
+def linears_over_parts(linears: Sequence[torch.nn.Linear], *parts: Tensor,
+                       site: str = "") -> Tuple[Tensor, ...]:
+    """``tuple(linear(torch.cat(parts, -1)) for linear in linears)`` as one product.
+
+    Sibling projections of one input (TGAT's keys and values) multiply the input once by their
+    weights stacked (``torch.cat`` of the weights, so each Linear's gradient flows to its own
+    parameters): one read of the input and one wider, better-occupied product in the forward; in
+    the backward one weight-gradient product, one bias reduction and one input gradient instead
+    of one per sibling plus their sum. The parts are split as in :func:`linear_over_parts`. The
+    results are column blocks of the product (views with the product's row stride; the pass
+    merges only siblings whose users accept such views). Each Linear runs on its own when
+    ``config.passes.merge_sibling_linears`` is off or they cannot be stacked (another class or
+    hooks, other input widths, dtypes or devices, biases on some only).
+    """
+    if not _stackable(linears, parts):
+        return tuple(linear_over_parts(linear, *parts, site=site) for linear in linears)
+    weight = torch.cat([linear.weight for linear in linears])
+    bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
+    groups = _split_groups(linears[0], parts)
+    if groups is None:
+        y = F.linear(torch.cat(parts, dim=-1), weight, bias)
+    else:
+        y = _product_over_parts(weight, bias, parts, groups, site)
+    return torch.split(y, [linear.out_features for linear in linears], dim=-1)
+
+
+def _stackable(linears: Sequence[torch.nn.Module], parts: Sequence[Tensor]) -> bool:
+    if not default_config().passes.merge_sibling_linears or len(linears) < 2:
+        return False
+    first = linears[0]
+    for linear in linears:
+        if not _plain_linear(linear):
+            return False
+        if (linear.in_features != first.in_features or linear.weight.dtype != first.weight.dtype
+                or linear.weight.device != first.weight.device
+                or (linear.bias is None) != (first.bias is None)):
+            return False
+    return all(isinstance(p, Tensor) and p.device == first.weight.device for p in parts)
+
+
+def _plain_linear(linear: torch.nn.Module) -> bool:
+    """A plain ``nn.Linear`` call: its own forward, no module hooks, no global module hooks."""
+    from torch.nn.modules import module as module_hooks
+
+    return (isinstance(linear, torch.nn.Linear) and type(linear).forward is torch.nn.Linear.forward
+            and not linear._forward_hooks and not linear._forward_pre_hooks
+            and not module_hooks._global_forward_hooks
+            and not module_hooks._global_forward_pre_hooks)
+
+
+def _product_over_parts(weight: Tensor, bias: Optional[Tensor], parts: Sequence[Tensor],
+                        groups: Tuple[List[int], List[int]], site: str) -> Tensor:
+    """``F.linear(torch.cat(parts, -1), weight, bias)`` as ``x_free W_free^T + b + x_grad W_grad^T``."""
     free, grad = groups
-    weight, bias = linear.weight, linear.bias
     starts = [0]
     for p in parts:
         starts.append(starts[-1] + p.shape[-1])

@@ -33,6 +33,7 @@ __all__ = [
     "unsqueeze_dim",
     "module_of",
     "bool_provenance",
+    "writes_in_place",
 ]
 
 
@@ -168,6 +169,20 @@ class Match:
     pattern: str
 
 
+def writes_in_place(node: fx.Node) -> bool:
+    """Whether ``node`` has an effect beyond its value: fx's impure nodes, in-place tensor methods
+    (``x.add_(1)``, whose result nobody may read), ``out=`` and ``inplace=True`` calls. Dead-code elimination after a
+    rewrite must keep these."""
+    if node.is_impure():
+        return True
+    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__"):
+        return True
+    if node.op == "call_function" and getattr(node.target, "__name__", "").endswith("_") and \
+            not node.target.__name__.startswith("__"):
+        return True
+    return "out" in node.kwargs or node.kwargs.get("inplace") is True
+
+
 class RewritePass:
     """A named rewrite: find anchors, match, check, replace; count matches.
 
@@ -226,7 +241,7 @@ class RewritePass:
             self.rewrites.append(Rewrite(got.pattern, where, got.op, site=got.kwargs["site"]))
         if modified:
             # Mask expressions only the removed subgraph read (e.g. a second ~mask[..., None]).
-            gm.graph.eliminate_dead_code()
+            gm.graph.eliminate_dead_code(is_impure_node=writes_in_place)
             gm.graph.lint()
             gm.recompile()
         return gm, modified

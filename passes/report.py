@@ -29,7 +29,7 @@ class Rewrite:
         from fastopt.passes.lowering import site_shapes
 
         shape = site_shapes(self.site)
-        if self.op == "linear_over_parts":
+        if self.op in ("linear_over_parts", "linears_over_parts"):
             return ("none (two matrix products; widths seen on the first split call)"
                     if shape is None else f"none (two matrix products over input widths "
                                           f"{shape[0]} without and {shape[1]} with gradient)")
@@ -129,7 +129,8 @@ class RewriteReport:
         if self.rewrites:
             lines.append("  rewrites:")
             for r in self.rewrites:
-                home = "passes.lowering" if r.op == "linear_over_parts" else "codegen"
+                home = "passes.lowering" if r.op in ("linear_over_parts", "linears_over_parts") \
+                    else "codegen"
                 lines.append(f"    {r.where}  {r.pattern} -> fastopt.{home}.{r.op}")
                 lines.append(f"        kernel: {r.kernel_config()}")
         if self.left_alone:

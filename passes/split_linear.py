@@ -22,18 +22,27 @@ needing gradients) or ``config.passes.split_linear_inputs`` off, it runs the ori
 Left alone: concatenation along another dimension (``dim`` must be the literal -1), a Linear
 called with more than its input.
 
+Sibling projections (several Linears of the same concatenation, each called on it alone: TGAT's
+keys and values) become one :func:`fastopt.passes.lowering.linears_over_parts` call, which
+multiplies by their stacked weights once and returns column blocks of the product; merged only
+where every user of each projection accepts such a view (no in-place op, no ``view`` that merges
+the features with another dimension, not returned or handed to a submodule), else each is split
+on its own.
+
 Order: after the attention passes (their matches read the projections, not the concatenation).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Union
+import dataclasses
+import operator
+from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import fx, nn
 
 from fastopt.passes import lowering
-from fastopt.passes.pattern import Match, RewritePass, arg, call, module_of
+from fastopt.passes.pattern import _SITES, Match, RewritePass, arg, call, module_of
 
 __all__ = ["SplitLinearInputs"]
 
@@ -59,6 +68,12 @@ class SplitLinearInputs(RewritePass):
         dim = arg(cat, 1, "dim", cat.kwargs.get("axis", 0))
         if dim != -1:
             return f"concatenation along dim {dim!r}; splitting needs the features dim, -1"
+        siblings = _siblings(gm, node, cat)
+        if len(siblings) > 1:
+            return _Siblings(anchor=node, output=node, nodes=[*siblings, cat],
+                             target=lowering.linears_over_parts, args=tuple(parts), kwargs={},
+                             op="linears_over_parts", siblings=siblings,
+                             pattern=f"{len(siblings)} x Linear(cat([{len(parts)} parts], -1))")
         return Match(anchor=node, output=node, nodes=[node, cat], target=lowering.linear_over_parts,
                      args=(("module", node.target), *parts), kwargs={}, op="linear_over_parts",
                      pattern=f"Linear(cat([{len(parts)} parts], -1))")
@@ -67,3 +82,88 @@ class SplitLinearInputs(RewritePass):
         # The concatenation may feed other projections (keys and values): it is removed once
         # the last of them is rewritten, and kept for any other user.
         return None
+
+    def _replace(self, gm: fx.GraphModule, m: Match) -> None:
+        if not isinstance(m, _Siblings):
+            return super()._replace(gm, m)
+        graph = gm.graph
+        m.kwargs["site"] = f"{self._where(m.anchor)}#{next(_SITES)}"
+        with graph.inserting_before(m.siblings[0]):
+            modules = tuple(graph.get_attr(s.target) for s in m.siblings)
+            merged = graph.call_function(m.target, (modules, *m.args), dict(m.kwargs))
+            blocks = [graph.call_function(operator.getitem, (merged, i))
+                      for i in range(len(m.siblings))]
+        for sibling, block in zip(m.siblings, blocks):
+            block.meta.update({k: v for k, v in sibling.meta.items() if k == "nn_module_stack"})
+            sibling.replace_all_uses_with(block)
+        merged.meta.update(blocks[0].meta)
+        for node in reversed(list(graph.nodes)):
+            if node in m.nodes and not node.users:
+                graph.erase_node(node)
+
+
+@dataclasses.dataclass
+class _Siblings(Match):
+    """Linears of one concatenation, in graph order, rewritten together."""
+
+    siblings: Sequence[fx.Node] = ()
+
+
+# Tensor methods and operators that write into their input.
+_IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                       operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
+                       operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                       operator.irshift, operator.iconcat)
+
+
+def _siblings(gm: fx.GraphModule, node: fx.Node, cat: fx.Node) -> List[fx.Node]:
+    """The Linears called on ``cat`` alone (``node`` among them) that can share one product: same
+    input width, each user accepting a column block of the product; ``[node]`` if fewer than two."""
+    first = module_of(gm, node, (nn.Linear,))
+    found = []
+    for user in cat.users:  # in insertion order, which is graph order
+        lin = module_of(gm, user, (nn.Linear,))
+        if lin is None or len(user.args) != 1 or user.kwargs or \
+                lin.in_features != first.in_features:
+            continue
+        if all(_accepts_column_block(u, lin.out_features) for u in user.users):
+            found.append(user)
+    found.sort(key=lambda n: list(n.graph.nodes).index(n))
+    return found if node in found and len(found) > 1 else [node]
+
+
+def _accepts_column_block(user: fx.Node, width: int) -> bool:
+    """Whether ``user`` computes the same from a column block (a view of row stride larger than
+    ``width``) as from a contiguous tensor: not in place, not a view merging the features."""
+    if user.op in ("output", "call_module", "placeholder", "get_attr"):
+        return False
+    target = user.target
+    if user.op == "call_method":
+        if target.endswith("_") and not target.startswith("__"):
+            return False
+        if target == "view":
+            return _splits_only_features(user, width)
+        return True
+    if target in _IN_PLACE_OPERATORS:
+        return False
+    if target is torch.Tensor.view:
+        return _splits_only_features(user, width)
+    return True
+
+
+def _splits_only_features(view: fx.Node, width: int) -> bool:
+    """``x.view(..., a, b)`` whose trailing literal sizes multiply to ``width``: the feature
+    dimension is split (or kept), never merged with the leading ones."""
+    shape = view.args[1:]
+    if len(shape) == 1 and isinstance(shape[0], (list, tuple)):
+        shape = shape[0]
+    product = 1
+    for size in reversed(shape):
+        if not isinstance(size, int) or size < 1:
+            return False
+        product *= size
+        if product == width:
+            return True
+        if product > width:
+            return False
+    return False

@@ -14,7 +14,7 @@ import torch
 import fastopt.codegen as cg
 import fastopt.config as fconfig
 from codegen_inputs import as_double, neighbors, randn, rel_error, table_index
-from fastopt.codegen import reference
+from fastopt.codegen import checks, reference
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
 
@@ -289,3 +289,46 @@ def test_head_counts_that_are_not_powers_of_two(heads, knobs, mode, keys, device
     with fconfig.patch(kernels__backward_mode=mode, **knobs):
         _check_against_reference(cg.temporal_attention, reference.temporal_attention, tensors,
                                  kwargs)
+
+
+@pytest.mark.parametrize("keys", ["dense", "indexed"])
+@pytest.mark.parametrize("mode", ["deterministic", "atomic"])
+def test_keys_and_values_as_column_blocks_of_one_product(keys, mode, device):
+    """Keys and values projected together: column blocks of one ``[..., 2*H*d]`` tensor are read
+    in place (row stride 2*H*d) and give the contiguous results, gradients included."""
+    rows, slots, heads, dim = 5, 7, 2, 50
+    gen = torch.Generator().manual_seed(4)
+    q = randn(rows, heads, dim, generator=gen, device=device)
+    mask = neighbors(rows, slots, gen, device).mask
+    width = heads * dim
+    if keys == "dense":
+        kv = randn(rows, slots, 2 * width, generator=gen, device=device)
+        index = None
+        k, v = (block.view(rows, slots, heads, dim) for block in kv.split(width, -1))
+    else:
+        kv = randn(rows * slots // 3, 2 * width, generator=gen, device=device)
+        index = table_index(rows, slots, kv.shape[0], gen, device)
+        k, v = (block.view(-1, heads, dim) for block in kv.split(width, -1))
+    assert checks.row_stride(k, index is None) == 2 * width and not k.is_contiguous()
+
+    def fused(q, kv):
+        k, v = (b.view(*kv.shape[:-1], heads, dim) for b in kv.split(width, -1))
+        return cg.temporal_attention(q, k, v, mask, k_index=index, v_index=index)
+
+    def oracle(q, kv):
+        k, v = (b.reshape(*kv.shape[:-1], heads, dim) for b in kv.split(width, -1))
+        return reference.temporal_attention(q, k, v, mask, k_index=index, v_index=index)
+
+    with fconfig.patch(kernels__backward_mode=mode):
+        _check_against_reference(fused, oracle, (q, kv), {})
+
+
+def test_row_stride_of_key_layouts():
+    t = torch.zeros(4, 3, 2, 5)
+    assert checks.row_stride(t, True) == 10
+    assert checks.row_stride(torch.zeros(4, 3, 30)[..., :10].view(4, 3, 2, 5), True) == 30
+    assert checks.row_stride(t.transpose(0, 1), True) is None  # slots not evenly spaced
+    assert checks.row_stride(torch.zeros(4, 3, 5, 2).transpose(-1, -2), True) is None
+    assert checks.row_stride(torch.zeros(4, 1, 2, 5), True) == 10
+    assert checks.row_stride(torch.zeros(7, 20)[:, 5:15].view(7, 2, 5), False) == 20
+    assert checks.key_rows(t.transpose(0, 1), True).is_contiguous()

@@ -75,11 +75,14 @@ def test_outputs_and_gradients_match_eager(name):
     h_fast = fast.embed(inputs)
     g_fast = torch.autograd.grad((h_fast * weight).sum(), params, allow_unused=True)
     torch.testing.assert_close(h_fast, h_eager, rtol=1e-4, atol=1e-5)
+    # float32 summation order differs (fused softmax, merged products): tolerance relative to the
+    # largest gradient, since an element summed from large terms keeps their rounding
+    scale = max(float(a.abs().max()) for a in g_eager if a is not None)
     for a, b in zip(g_eager, g_fast):
         if a is None:
             assert b is None
         else:
-            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6 * max(scale, 1.0))
     text = str(report)
     for layer in EXPECTED_LAYERS[name]:
         assert layer in text

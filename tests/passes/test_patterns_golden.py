@@ -11,6 +11,7 @@ import fastopt.config as fconfig
 from fastopt.passes import (FuseMaskedAggregation, FuseMultiheadAttention, FuseSdpaAttention,
                             FuseTemporalAttention, FuseTimeEncoding, ProjectBeforeGather,
                             SplitLinearInputs, trace)
+from fastopt.passes import lowering
 from fastopt.passes.lowering import (fused_masked_aggregate, fused_multihead_attention, fused_sdpa,
                                      fused_time_encode, linear_over_parts, project_rows)
 
@@ -235,6 +236,82 @@ def test_split_linear_inputs_runs_the_original_where_splitting_would_change_it()
     h = torch.randn(M, 0, requires_grad=True)
     (grad,) = torch.autograd.grad(gm(h, torch.randn(M, 5)).sum(), [h])
     assert grad.shape == (M, 0)
+
+
+class KeysValuesAttended(KeysValuesOverParts):
+    """Keys and values viewed per head and consumed, as an attention layer does."""
+
+    def forward(self, h, edge, dt):
+        kv_in = torch.cat([h, edge, torch.cos(self.enc(dt))], dim=-1)
+        key = self.w_k(kv_in).view(M, K, 2, 2)
+        value = self.w_v(kv_in).view(M, K, 2, 2)
+        return (key * value).sum(-1).softmax(1)
+
+
+def _sibling_calls(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function"
+            and n.target is lowering.linears_over_parts]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sibling_linears_share_one_product(dtype):
+    """w_k and w_v of one concatenation: one product of the stacked weights, same values and
+    gradients (to rounding in float64), with the knob on or off, with and without gradients."""
+    torch.manual_seed(0)
+    before = KeysValuesAttended().to(dtype)
+    p = SplitLinearInputs()
+    gm, modified = p(trace(before, training=False))
+    assert modified and p.matches == 1 and p.rewrites[0].op == "linears_over_parts"
+    (merged,) = _sibling_calls(gm)
+    modules = merged.args[0]
+    assert [m.op for m in modules] == ["get_attr", "get_attr"]
+    assert [m.target for m in modules] == ["w_k", "w_v"]
+    assert not [n for n in gm.graph.nodes if n.target is torch.cat]
+    assert not [n for n in gm.graph.nodes if n.op == "call_module" and n.target in ("w_k", "w_v")]
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for merge in (True, False):
+        h = torch.randn(M, K, 2, dtype=dtype, requires_grad=True)
+        edge, dt = torch.randn(M, K, 5, dtype=dtype), torch.rand(M, K, 1, dtype=dtype)
+        params = [h] + list(before.parameters())
+        with fconfig.patch(passes__merge_sibling_linears=merge):
+            ref, got = before(h, edge, dt), gm(h, edge, dt)
+            torch.testing.assert_close(got, ref, **tol)
+            weight = torch.randn_like(ref)
+            want = torch.autograd.grad((weight * ref).sum(), params)
+            have = torch.autograd.grad((weight * gm(h, edge, dt)).sum(), params)
+            for a, b in zip(want, have):
+                torch.testing.assert_close(b, a, **tol)
+            with torch.no_grad():  # stacked weights without the split
+                torch.testing.assert_close(gm(h, edge, dt), before(h, edge, dt), **tol)
+
+
+def test_sibling_linears_left_apart_where_a_user_needs_its_own_tensor():
+    """Returned, modified in place, or viewed across the features: each Linear split on its own
+    (and the in-place write, whose result nobody reads, survives the rewrite's dead-code pass)."""
+
+    class InPlace(KeysValuesOverParts):
+        def forward(self, h, edge, dt):
+            kv_in = torch.cat([h, edge, torch.cos(self.enc(dt))], dim=-1)
+            key = self.w_k(kv_in)
+            key.add_(1.0)  # (``key += 1`` traces to an out-of-place add)
+            return key * self.w_v(kv_in).view(M, K, 4)
+
+    class Flattened(KeysValuesOverParts):
+        def forward(self, h, edge, dt):
+            kv_in = torch.cat([h, edge, torch.cos(self.enc(dt))], dim=-1)
+            return self.w_k(kv_in).view(M, K * 4) * self.w_v(kv_in).view(M, K * 4)
+
+    for cls in (KeysValuesOverParts, InPlace, Flattened):
+        torch.manual_seed(0)
+        before = cls()
+        p = SplitLinearInputs()
+        gm, modified = p(trace(before, training=False))
+        assert modified and p.matches == 2 and not _sibling_calls(gm), cls.__name__
+        h = torch.randn(M, K, 2, requires_grad=True)
+        edge, dt = torch.randn(M, K, 5), torch.rand(M, K, 1)
+        ref, got = before(h, edge, dt), gm(h, edge, dt)
+        for r, g in zip(ref if isinstance(ref, tuple) else (ref,), got if isinstance(got, tuple) else (got,)):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 
 def test_split_linear_inputs_leaves_other_concatenations():
