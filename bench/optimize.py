@@ -5,12 +5,12 @@ Runs, in one process on one GPU and the same inputs: the eager model, ``torch.co
 model: the stronger baseline), and ``fastopt.optimize(model)`` with CUDA graphs on and, for
 reference, off (``config.passes.cuda_graphs``), without the split of Linears over
 concatenations (``config.passes.split_linear_inputs``) and without the merge of sibling
-projections into one product (``config.passes.merge_sibling_linears``), at TGN/TGAT batch shapes (600 roots = 200 events with their
-destinations and negatives; 10 most recent neighbors for TGN, 10 x 10 uniform for TGAT; width 100,
-2 heads, 172 edge features as in Wikipedia/Reddit). Each step is timed with CUDA events after
-warm-up, gradients set to None before it (untimed, as a training loop's ``zero_grad()``); the
-median is reported. Prints a table and writes JSON with the date, GPU, versions, git
-commit and the exact command::
+projections into one product (``config.passes.merge_sibling_linears``), at TGN/TGAT batch
+shapes (600 roots = 200 events with their destinations and negatives; 10 most recent neighbors
+for TGN, 10 x 10 uniform for TGAT; width 100, 2 heads, 172 edge features as in
+Wikipedia/Reddit). Each step is timed with CUDA events after warm-up, gradients set to None
+before it (untimed, as a training loop's ``zero_grad()``); the median is reported. Prints a
+table and writes JSON with the date, GPU, versions, git commit and the exact command::
 
     python bench/optimize.py --json bench/results/optimize_h200.json
 """

@@ -262,5 +262,6 @@ def row_stride(t: Tensor, dense: bool) -> Optional[int]:
 
 
 def key_rows(t: Tensor, dense: bool) -> Tensor:
-    """``t`` itself where its rows are evenly spaced (see :func:`row_stride`), else a contiguous copy."""
+    """``t`` itself where its rows are evenly spaced (see :func:`row_stride`), else a contiguous
+    copy."""
     return t if row_stride(t, dense) is not None else t.contiguous()

@@ -632,7 +632,8 @@ def _plain_linear(linear: torch.nn.Module) -> bool:
 
 def _product_over_parts(weight: Tensor, bias: Optional[Tensor], parts: Sequence[Tensor],
                         groups: Tuple[List[int], List[int]], site: str) -> Tensor:
-    """``F.linear(torch.cat(parts, -1), weight, bias)`` as ``x_free W_free^T + b + x_grad W_grad^T``."""
+    """``F.linear(torch.cat(parts, -1), weight, bias)`` as ``x_free W_free^T + b + x_grad W_grad^T``
+    (``groups``: the part indices without and with gradient)."""
     free, grad = groups
     starts = [0]
     for p in parts:
