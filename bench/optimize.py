@@ -148,7 +148,8 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
     parser.add_argument("--profile", metavar="DIR",
-                        help="also write torch.profiler tables of eager and fastopt steps to DIR")
+                        help="also write torch.profiler tables of the eager, fastopt and fastopt "
+                             "without CUDA graphs steps to DIR")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/optimize.py needs a CUDA GPU; none is available here. Nothing was measured.")
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
         row["cuda_graphs"] = [str(g) for g in report.graphs]
         row["captured"] = report.captured_modules()
         if args.profile:
-            for label, fn in (("eager", model), ("fastopt", fast)):
+            for label, fn in (("eager", model), ("fastopt", fast), ("fastopt-nographs", plain)):
                 _profile(fn, inputs, Path(args.profile) / f"profile-{name}-{label}.txt")
         for base in ("eager", "compile", "compile_ro"):
             if row.get(f"{base}_ms") and row.get("fastopt_ms"):
