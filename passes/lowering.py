@@ -449,11 +449,14 @@ def fused_multihead_attention(mha: torch.nn.MultiheadAttention, query: Tensor, k
 
     Returns ``(output, None)`` like ``nn.MultiheadAttention`` with ``need_weights=False``; the
     rewrite only happens where the weights are unused. Rows whose keys are all padding yield
-    ``out_proj(0)``, as eager attention does in torch >= 2.5.
+    ``out_proj(0)``, as eager attention does in torch >= 2.5. Keys and values of one tensor (the
+    TGN style ``attn(q, kv, kv)``) are projected by one product of the stacked weights
+    (``config.passes.merge_sibling_linears``) whose column blocks the kernel reads in place.
     """
     p = mha.dropout if mha.training else 0.0
     fuse = p == 0.0 or default_config().passes.fuse_dropout
     if fuse and _mha_fits(mha, query, key, value, key_padding_mask):
+        shared = key is value and default_config().passes.merge_sibling_linears
         if not mha.batch_first:
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
         (wq, bq), (wk, bk), (wv, bv) = _mha_projections(mha)
@@ -461,8 +464,12 @@ def fused_multihead_attention(mha: torch.nn.MultiheadAttention, query: Tensor, k
         h = mha.num_heads
         d = mha.embed_dim // h
         q = F.linear(query[:, 0], wq, bq).view(m, h, d)
-        k = F.linear(key, wk, bk).view(m, kk, h, d)
-        v = F.linear(value, wv, bv).view(m, kk, h, d)
+        if shared:  # keys and values of one sequence: one product, read as column blocks
+            kv = F.linear(key, torch.cat([wk, wv]), None if bk is None else torch.cat([bk, bv]))
+            k, v = (block.view(m, kk, h, d) for block in kv.split(mha.embed_dim, -1))
+        else:
+            k = F.linear(key, wk, bk).view(m, kk, h, d)
+            v = F.linear(value, wv, bv).view(m, kk, h, d)
         _record(site, (kk, h, d))
         seed = codegen.dropout_seed(q) if p > 0 else 0
         out = codegen.temporal_attention(q, k, v, ~key_padding_mask, scale=d ** -0.5,

@@ -404,3 +404,25 @@ def test_float_mask_of_unknown_dtype_runs_eager():
     x, w = torch.randn(M, K, 3), torch.rand(M, K, 1)
     torch.testing.assert_close(fused_masked_aggregate(x, w, None, form="mul", dim=1, reduce="sum", proven=False),
                                (x * w).sum(1))
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_multihead_attention_keys_and_values_of_one_tensor(merge):
+    """``attn(q, kv, kv)``: keys and values from one product of the stacked weights (or two),
+    equal to ``nn.MultiheadAttention`` to rounding in float64, gradients included."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, 2, kdim=5, vdim=5, batch_first=True).double()
+    query = torch.randn(M, 1, E, dtype=torch.float64)
+    kv = torch.randn(M, K, 5, dtype=torch.float64, requires_grad=True)
+    padding = torch.rand(M, K, generator=torch.Generator().manual_seed(1)) < 0.3
+    padding[:, 0] = False
+    params = [kv] + [p for p in mha.parameters() if p.requires_grad]
+    with fconfig.patch(passes__merge_sibling_linears=merge):
+        got, _ = fused_multihead_attention(mha, query, kv, kv, padding, need_weights=False)
+        have = torch.autograd.grad(got.sum(), params, allow_unused=True)
+    ref, _ = mha(query, kv, kv, key_padding_mask=padding, need_weights=False)
+    want = torch.autograd.grad(ref.sum(), params, allow_unused=True)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(want, have):
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
