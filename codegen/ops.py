@@ -220,7 +220,9 @@ def temporal_attention(
         seed: Philox key of the dropout draws, ``0 <= seed < 2**31``; one seed, one mask. Or a
             one-element int tensor on ``q``'s device holding the key: the eager kernels read it
             from memory (no host round trip; a captured CUDA graph sees each replay's new key),
-            the custom op (compiled or traced calls) reads it back to the host.
+            the custom op (compiled or traced calls) reads it back to the host. A key held in
+            a tensor is taken modulo ``2**31`` on both paths (it is not range-checked: that
+            would need a device sync).
 
     Returns:
         ``[M, H, d]`` in the dtype of ``q``; rows without a valid neighbor are zeros.

@@ -59,3 +59,17 @@ def test_bad_tensor_seed_names_value_and_fix(seed, match):
     q, k, v, mask = _args("cpu")
     with pytest.raises(KernelError, match=match):
         cg.temporal_attention(q, k, v, mask, dropout_p=0.3, seed=seed)
+
+
+def test_tensor_seed_beyond_the_key_range_is_reduced_as_the_op_reduces_it(device, triton_backend):
+    """A key of 2**31 + 5 in memory draws the mask of key 5, in the kernels and in the op that
+    reads the key back (unchecked: checking would need a device sync)."""
+    q, k, v, mask = _args(device)
+    by_int = cg.temporal_attention(q, k, v, mask, dropout_p=0.3, seed=5)
+    big = torch.tensor([2**31 + 5], device=device)
+    torch.testing.assert_close(cg.temporal_attention(q, k, v, mask, dropout_p=0.3, seed=big),
+                               by_int, rtol=1e-5, atol=1e-6)
+    with fconfig.patch(kernels__backend="reference"):
+        ref = cg.temporal_attention(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), dropout_p=0.3,
+                                    seed=big.cpu())
+    torch.testing.assert_close(ref, by_int.cpu(), rtol=1e-5, atol=1e-6)
