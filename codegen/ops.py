@@ -151,7 +151,8 @@ class _EagerAttention(torch.autograd.Function):
                                                 v_index=v_index, scale=scale,
                                                 dropout_p=dropout_p, seed=seed)
         ctx.save_for_backward(q, k, v, out, lse, mask, indptr, k_index, v_index)
-        ctx.hyper = (scale, dropout_p, seed)
+        # the backward redraws this call's mask: keep the key, not the caller's tensor
+        ctx.hyper = (scale, dropout_p, seed.clone() if isinstance(seed, Tensor) else seed)
         return out
 
     @staticmethod
