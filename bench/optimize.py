@@ -24,6 +24,7 @@ import platform
 import statistics
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -59,6 +60,34 @@ def _warm_memory(model) -> None:
         mem.mail_ts.copy_(torch.rand(mem.mail_ts.shape, generator=g) * 1e4)
         mem.mail_count.copy_(torch.randint(0, mem.slots + 1, mem.mail_count.shape, generator=g))
         mem.pending.fill_(True)
+
+
+def add_batch_args(parser: argparse.ArgumentParser, models: str) -> None:
+    """Batch-shape and timing options (shared with bench/step_breakdown.py)."""
+    parser.add_argument("--json", help="write results to this JSON file")
+    parser.add_argument("--models", default=models)
+    parser.add_argument("--roots", type=int, default=600)
+    parser.add_argument("--num-nodes", type=int, default=9227)
+    parser.add_argument("--edge-dim", type=int, default=172)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=50)
+
+
+def cuda_device(script: str) -> Optional[torch.device]:
+    """The GPU to measure on, TF32 off (every column multiplies in float32); None, said, if none."""
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU; none is available here. Nothing was measured.")
+        return None
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return torch.device("cuda")
+
+
+def model_and_inputs(name: str, args, device):
+    """Reference model ``name`` (seeded, training mode, memory warmed) and its batch inputs."""
+    torch.manual_seed(0)
+    model = _models(args.num_nodes, args.edge_dim)[name]().to(device).train()
+    _warm_memory(model)
+    return model, _inputs(model, args.roots, args.num_nodes, args.edge_dim, device)
 
 
 def _step_begin() -> None:
@@ -139,35 +168,25 @@ def _write(args, rows) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write results to this JSON file")
-    parser.add_argument("--models", default="tgn,tgat,jodie,apan")
-    parser.add_argument("--roots", type=int, default=600)
-    parser.add_argument("--num-nodes", type=int, default=9227)
-    parser.add_argument("--edge-dim", type=int, default=172)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--iters", type=int, default=50)
+    add_batch_args(parser, "tgn,tgat,jodie,apan")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
     parser.add_argument("--profile", metavar="DIR",
                         help="also write torch.profiler tables of the eager, fastopt and fastopt "
                              "without CUDA graphs steps to DIR")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/optimize.py needs a CUDA GPU; none is available here. Nothing was measured.")
+    device = cuda_device("bench/optimize.py")
+    if device is None:
         return 0
-    device = torch.device("cuda")
-    torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
     for name in args.models.split(","):
-        torch.manual_seed(0)
-        model = _models(args.num_nodes, args.edge_dim)[name]().to(device).train()
-        _warm_memory(model)
-        inputs = _inputs(model, args.roots, args.num_nodes, args.edge_dim, device)
+        model, inputs = model_and_inputs(name, args, device)
         fast = fastopt.optimize(model, verify=True)
         plain = fastopt.optimize(model, config={"passes": {"cuda_graphs": "off"}})
         unsplit = fastopt.optimize(model, config={"passes": {"split_linear_inputs": False}})
         unmerged = fastopt.optimize(model, config={"passes": {"merge_sibling_linears": False}})
         row = {"model": name, "roots": args.roots, "fanouts": list(model.fanouts),
-               "rewrites": [f"{r.where} {r.pattern} -> {r.op}" for r in fast.fastopt_report.rewrites]}
+               "rewrites": [f"{r.where} {r.pattern} -> {r.op}"
+                            for r in fast.fastopt_report.rewrites]}
         # torch.compile last: its caches must not see (or touch) the other columns' calls
         columns = [("eager_ms", model, None), ("fastopt_nographs_ms", plain, None),
                    ("fastopt_nosplit_ms", unsplit, None), ("fastopt_nomerge_ms", unmerged, None),

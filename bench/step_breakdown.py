@@ -39,7 +39,7 @@ import torch
 
 import fastopt
 from _meta import git_commit
-from optimize import _inputs, _models, _warm_memory
+from optimize import add_batch_args, cuda_device, model_and_inputs
 
 
 def _median_events(fn, iters: int, prepare=None) -> float:
@@ -141,25 +141,14 @@ def breakdown(fast, inputs, warmup: int, iters: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write results to this JSON file")
-    parser.add_argument("--models", default="tgn,tgat")
-    parser.add_argument("--roots", type=int, default=600)
-    parser.add_argument("--num-nodes", type=int, default=9227)
-    parser.add_argument("--edge-dim", type=int, default=172)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--iters", type=int, default=50)
+    add_batch_args(parser, "tgn,tgat")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/step_breakdown.py needs a CUDA GPU; none is available here. Nothing was measured.")
+    device = cuda_device("bench/step_breakdown.py")
+    if device is None:
         return 0
-    device = torch.device("cuda")
-    torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
     for name in args.models.split(","):
-        torch.manual_seed(0)
-        model = _models(args.num_nodes, args.edge_dim)[name]().to(device).train()
-        _warm_memory(model)
-        inputs = _inputs(model, args.roots, args.num_nodes, args.edge_dim, device)
+        model, inputs = model_and_inputs(name, args, device)
         fast = fastopt.optimize(model)
         rows.append({"model": name, **breakdown(fast, inputs, args.warmup, args.iters)})
     cols = ("step_ms", "fwd_graph_ms", "bwd_graph_ms", "device_idle_ms", "prelaunch_us",
