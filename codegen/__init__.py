@@ -8,6 +8,8 @@ Public surface (stable signatures; the fx passes rewrite onto these):
   mask=None, indptr=None, *, k_index=None, v_index=None, scale=None, dropout_p=0.0, seed=0)``
 - :func:`masked_aggregate` ``(x, mask=None, indptr=None, *, index=None, reduce="mean")``
 - :func:`time_encode` ``(dt, w, b)``
+- :func:`linear` ``(x, w, bias=None, residual=None)``: projections, by generated matmuls when
+  ``config.kernels.matmul_precision`` asks for them
 
 Each is a ``torch.library`` custom op (``torch.ops.fastopt.*``) with autograd and a fake
 implementation; :mod:`fastopt.codegen.reference` holds the plain-PyTorch reference of each, which
@@ -23,6 +25,7 @@ Layering: imports nothing of fastopt but :mod:`fastopt.config` and :mod:`fastopt
 from fastopt.codegen import reference
 from fastopt.codegen.ops import (
     dropout_seed,
+    linear,
     masked_aggregate,
     select_backend,
     temporal_attention,
@@ -36,6 +39,7 @@ __all__ = [
     "time_encoded_attention",
     "masked_aggregate",
     "time_encode",
+    "linear",
     "select_backend",
     "reference",
 ]

@@ -474,3 +474,74 @@ def time_encode_backward(grad_out: Tensor, dt: Tensor, w: Tensor,
         partial.zero_()
     kernel.launch((programs, 1), dt, w, b, grad_out, ddt, partial, count)
     return ddt, partial[:, 0].sum(0).to(w.dtype), partial[:, 1].sum(0).to(b.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# matrix products of the projections (templates/matmul.py.jinja)
+# ----------------------------------------------------------------------------------------------
+
+# Tile of C per program and K slice per step; K spans of weight-gradient products (K = batch rows)
+# are split over programs when C has too few tiles to occupy the GPU.
+MATMUL_TILE = (64, 64, 32)
+MAX_SPLITS = 64
+
+
+def _matmul_kernel(device: torch.device, **spec) -> _Specialized:
+    key = ("matmul", device, _knobs(), tuple(sorted(spec.items())))
+    hit = _SPECIALIZED.get(key)
+    if hit is None:
+        block_m, block_n, block_k = MATMUL_TILE
+        cfg = KernelConfig(block_m=block_m, block_k=block_k, block_d=block_n, num_warps=4,
+                           num_stages=3 if _capability(device)[0] >= 9 else 2)
+        source = render("matmul", block_m=block_m, block_n=block_n, block_k=block_k, **spec)
+        fn = kernel_cache().load(CacheKey.build("matmul", source, cfg, device), source)
+        hit = _SPECIALIZED[key] = _Specialized(fn, cfg)
+    return hit
+
+
+def _splits(tiles: int, depth: int, device: torch.device) -> int:
+    """K spans for a product of ``tiles`` C tiles over ``depth`` rows of K: enough programs for
+    two per multiprocessor, each span at least four K slices deep."""
+    processors = (torch.cuda.get_device_properties(device).multi_processor_count
+                  if device.type == "cuda" else 4)
+    if tiles >= processors:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-2 * processors // tiles), depth // (4 * MATMUL_TILE[2])))
+
+
+def matmul(a: Tensor, b: Tensor, *, bias: Optional[Tensor] = None,
+           residual: Optional[Tensor] = None, precision: str = "tf32x3") -> Tensor:
+    """``a @ b (+ residual) (+ bias)`` for float32 ``a [M, K]``, ``b [K, N]`` of any strides."""
+    rows, depth = a.shape
+    cols = b.shape[1]
+    block_m, block_n, block_k = MATMUL_TILE
+    tiles = (-(-rows // block_m), -(-cols // block_n))
+    splits = _splits(tiles[0] * tiles[1], depth, a.device)
+    out = _empty((rows, cols), torch.float32, a.device)
+    if rows == 0 or cols == 0:
+        return out
+    if splits > 1:
+        span = -(-depth // splits)
+        span = -(-span // block_k) * block_k
+        splits = -(-depth // span)
+        part = _empty((splits, rows, cols), torch.float32, a.device)
+        kernel = _matmul_kernel(a.device, precision=precision, split=True, residual=False,
+                                bias=False)
+        kernel.fn[(tiles[0], tiles[1], splits)](
+            a, b, part, part, part, rows, cols, depth, a.stride(0), a.stride(1), b.stride(0),
+            b.stride(1), 0, 0, 0, 0, span, num_warps=kernel.cfg.num_warps,
+            num_stages=kernel.cfg.num_stages)
+        torch.sum(part, 0, out=out)
+        if residual is not None:
+            out += residual
+        if bias is not None:
+            out += bias
+        return out
+    kernel = _matmul_kernel(a.device, precision=precision, split=False,
+                            residual=residual is not None, bias=bias is not None)
+    res = residual if residual is not None else out
+    kernel.fn[(tiles[0], tiles[1], 1)](
+        a, b, out, res, bias if bias is not None else out, rows, cols, depth, a.stride(0),
+        a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), res.stride(0),
+        res.stride(1), depth, num_warps=kernel.cfg.num_warps, num_stages=kernel.cfg.num_stages)
+    return out

@@ -490,3 +490,55 @@ def time_encode(dt: Tensor, w: Tensor, b: Tensor) -> Tensor:
     """
     checks.check_time_encode(dt, w, b)
     return torch.ops.fastopt.time_encode(dt.contiguous(), w.contiguous(), b.contiguous())
+
+
+# ----------------------------------------------------------------------------------------------
+# projections
+# ----------------------------------------------------------------------------------------------
+
+
+class _Linear(torch.autograd.Function):
+    """``x @ w^T (+ bias) (+ residual)`` and its gradients by the generated matmul kernels."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, residual, precision):
+        ctx.save_for_backward(x, w)
+        ctx.precision = precision
+        return _kernels().matmul(x, w.t(), bias=bias, residual=residual, precision=precision)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        matmul = _kernels().matmul
+        need_x, need_w, need_bias, need_residual, _ = ctx.needs_input_grad
+        dx = matmul(grad, w, precision=ctx.precision) if need_x else None
+        dw = matmul(grad.t(), x, precision=ctx.precision) if need_w else None
+        dbias = grad.sum(0) if need_bias else None
+        return dx, dw, dbias, grad if need_residual else None, None
+
+
+def linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None,
+           residual: Optional[Tensor] = None) -> Tensor:
+    """``x @ w.T (+ bias) (+ residual)`` for ``x [M, K]``, ``w [N, K]``: a projection.
+
+    With ``config.kernels.matmul_precision`` ``"tf32x3"`` or ``"ieee"`` and the Triton backend,
+    float32 operands of any strides, the product and its gradients run in the generated matmul
+    kernels (``"tf32x3"``: tensor-core products of high and low TensorFloat-32 parts, about
+    float32's accuracy; ``"ieee"``: float32 multiply-adds); weight gradients split the batch rows
+    over programs and sum the partials in a fixed order. Otherwise (the default ``"off"``) one
+    ``torch.addmm``, as ``F.linear`` runs it.
+
+    Returns:
+        ``[M, N]``.
+    """
+    precision = default_config().kernels.matmul_precision
+    tensors = (x, w, bias, residual)
+    if precision != "off" and x.dim() == 2 and w.dim() == 2 and \
+            all(t is None or t.dtype == torch.float32 for t in tensors) and \
+            _eager_kernels(*tensors):
+        return _Linear.apply(x, w, bias, residual, precision)
+    if residual is not None:
+        out = torch.addmm(residual, x, w.t())
+        return out if bias is None else out + bias
+    return torch.mm(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())

@@ -100,6 +100,9 @@ class KernelsConfig:
     # L2 hint of attention's table-row gathers: "evict_last" keeps gathered key/value rows in L2
     # (streamed queries, indices and outputs get "evict_first"), "none" gives no hint, "auto" = heuristic
     gather_eviction: str = "auto"
+    # projections rewritten by the passes (split/merged Linears): "off" (cuBLAS through torch),
+    # "tf32x3" (generated matmuls on tensor cores, about float32 accuracy) or "ieee" (generated, float32 FMA)
+    matmul_precision: str = "off"
     # backward into indexed tables: "deterministic" (segmented reduction) or "atomic"
     backward_mode: str = "deterministic"
     # on-disk kernel cache; "" = ~/.cache/fastopt/kernels (or $XDG_CACHE_HOME)
@@ -235,6 +238,8 @@ class Config:
                self.kernels.backward_mode, "'deterministic' or 'atomic'")
         _check(self.kernels.gather_eviction in ("auto", "none", "evict_last"), "kernels.gather_eviction",
                self.kernels.gather_eviction, "one of 'auto', 'none', 'evict_last'")
+        _check(self.kernels.matmul_precision in ("off", "tf32x3", "ieee"), "kernels.matmul_precision",
+               self.kernels.matmul_precision, "one of 'off', 'tf32x3', 'ieee'")
         _check(self.kernels.backend in ("auto", "triton", "reference"), "kernels.backend",
                self.kernels.backend, "one of 'auto', 'triton', 'reference'")
         for knob in ("rows_per_program", "block_m", "heads_per_program", "block_k", "num_warps",

@@ -654,8 +654,8 @@ def _product_over_parts(weight: Tensor, bias: Optional[Tensor], parts: Sequence[
 
     x_free, w_free = group(free)
     x_grad, w_grad = group(grad)
-    y = torch.mm(x_free, w_free.t()) if bias is None else torch.addmm(bias, x_free, w_free.t())
-    y = torch.addmm(y, x_grad, w_grad.t())
+    y = codegen.linear(x_free, w_free, bias)  # addmm, or generated (config.kernels.matmul_precision)
+    y = codegen.linear(x_grad, w_grad, residual=y)
     _record(site, (x_free.shape[1], x_grad.shape[1]))
     return y.view(*parts[0].shape[:-1], weight.shape[0])
 
