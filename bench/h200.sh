@@ -5,7 +5,8 @@
 # (TESTS_S, KERNELS_S, OPTIMIZE_S seconds) so that a slow step cannot take the others' results
 # with it. The GPU tests compile every kernel variant they cover: give them minutes. PROFILE=1 also
 # writes torch.profiler tables of the eager and fastopt steps (profiles.tar.gz). STEPS picks the steps
-# (default "tests kernels optimize"): one device command may run 10 minutes, so split them over calls.
+# (default "tests kernels optimize"; also "breakdown" (bench/step_breakdown.py) and "projections"
+# (bench/projections.py)): one device command may run 10 minutes, so split them over calls.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the output folder}
@@ -18,8 +19,14 @@ STEPS=${STEPS:-tests kernels optimize}
 [[ " $STEPS " == *" optimize "* ]] && timeout "${OPTIMIZE_S:-240}" python3 bench/optimize.py --models tgat,tgn --iters 30 --warmup 5 \
     --json "$OUT/optimize.json" ${PROFILE:+--profile /tmp/profiles} > "$OUT/optimize.log" 2>&1
 [ -n "${PROFILE:-}" ] && tar czf "$OUT/profiles.tar.gz" -C /tmp profiles
+[[ " $STEPS " == *" breakdown "* ]] && timeout "${BREAKDOWN_S:-90}" python3 bench/step_breakdown.py \
+    --json "$OUT/breakdown.json" > "$OUT/breakdown.log" 2>&1
+[[ " $STEPS " == *" projections "* ]] && timeout "${PROJECTIONS_S:-150}" python3 bench/projections.py \
+    --json "$OUT/projections.json" > "$OUT/projections.log" 2>&1
 [ -f "$OUT/kernels.log" ] && { grep -A30 "graph replay" "$OUT/kernels.log" | grep -v mapping
                                grep -B1 -A12 "copy bandwidth" "$OUT/kernels.log" | head -8; }
 [ -f "$OUT/optimize.log" ] && tail -12 "$OUT/optimize.log"
+[ -f "$OUT/breakdown.log" ] && tail -3 "$OUT/breakdown.log"
+[ -f "$OUT/projections.log" ] && tail -12 "$OUT/projections.log"
 [ -f "$OUT/gputests.log" ] && tail -4 "$OUT/gputests.log"
 true

@@ -19,9 +19,6 @@ table and writes JSON with the date, GPU, versions, git commit and the exact com
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -30,7 +27,7 @@ from typing import Optional
 import torch
 
 import fastopt
-from _meta import git_commit
+from _meta import write_record
 from fastopt.models import APAN, JODIE, TGAT, TGN, GraphInputs
 
 
@@ -150,21 +147,8 @@ def _profile(fn, inputs, path: Path, steps: int = 10) -> None:
 
 def _write(args, rows) -> None:
     """The JSON record, rewritten after each model so a cut-short run keeps what it measured."""
-    import triton
-
-    record = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "capability": list(torch.cuda.get_device_capability()),
-        "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(), "fastopt": fastopt.__version__,
-        "git_commit": git_commit(),
-        "command": " ".join([sys.executable, *sys.argv]),
-        "timing": f"CUDA events, median of {args.iters} steps after {args.warmup} warm-up",
-        "results": rows,
-    }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(record, indent=2))
+    write_record(args.json, timing=f"CUDA events, median of {args.iters} steps after "
+                                   f"{args.warmup} warm-up", results=rows)
 
 
 def main(argv=None) -> int:

@@ -27,18 +27,14 @@ command::
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 import fastopt
-from _meta import git_commit
+from _meta import write_record
 from optimize import add_batch_args, cuda_device, model_and_inputs
 
 
@@ -159,18 +155,9 @@ def main(argv=None) -> int:
         print(f"{r['model']:>8} " + " ".join(f"{r[c]:14.3f}" if c in r else f"{'-':>14}"
                                             for c in cols), r.get("error", ""))
     if args.json:
-        import triton
-
-        record = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "python": platform.python_version(),
-            "fastopt": fastopt.__version__, "git_commit": git_commit(),
-            "command": " ".join([sys.executable, *sys.argv]),
-            "timing": f"medians of {args.iters} steps after {args.warmup} warm-up; host times by "
-                      f"perf_counter, device times by CUDA events", "results": rows}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(record, indent=2))
+        write_record(args.json, results=rows,
+                     timing=f"medians of {args.iters} steps after {args.warmup} warm-up; host times "
+                            f"by perf_counter, device times by CUDA events")
     return 0
 
 

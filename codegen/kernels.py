@@ -480,18 +480,26 @@ def time_encode_backward(grad_out: Tensor, dt: Tensor, w: Tensor,
 # matrix products of the projections (templates/matmul.py.jinja)
 # ----------------------------------------------------------------------------------------------
 
-# Tile of C per program and K slice per step; K spans of weight-gradient products (K = batch rows)
-# are split over programs when C has too few tiles to occupy the GPU.
+# Default tile of C per program and K slice per step (config.kernels.matmul_block_* override);
+# K spans of weight-gradient products (K = batch rows) are split over programs when C has too
+# few tiles to occupy the GPU.
 MATMUL_TILE = (64, 64, 32)
 MAX_SPLITS = 64
 
 
-def _matmul_kernel(device: torch.device, **spec) -> _Specialized:
-    key = ("matmul", device, _knobs(), tuple(sorted(spec.items())))
+def _matmul_tile() -> Tuple[int, int, int, int]:
+    knobs = default_config().kernels
+    return (knobs.matmul_block_m or MATMUL_TILE[0], knobs.matmul_block_n or MATMUL_TILE[1],
+            knobs.matmul_block_k or MATMUL_TILE[2], knobs.matmul_warps or 4)
+
+
+def _matmul_kernel(device: torch.device, tile: Tuple[int, int, int, int],
+                   **spec) -> _Specialized:
+    key = ("matmul", device, tile, default_config().kernels.cache_dir, tuple(sorted(spec.items())))
     hit = _SPECIALIZED.get(key)
     if hit is None:
-        block_m, block_n, block_k = MATMUL_TILE
-        cfg = KernelConfig(block_m=block_m, block_k=block_k, block_d=block_n, num_warps=4,
+        block_m, block_n, block_k, warps = tile
+        cfg = KernelConfig(block_m=block_m, block_k=block_k, block_d=block_n, num_warps=warps,
                            num_stages=3 if _capability(device)[0] >= 9 else 2)
         source = render("matmul", block_m=block_m, block_n=block_n, block_k=block_k, **spec)
         fn = kernel_cache().load(CacheKey.build("matmul", source, cfg, device), source)
@@ -499,14 +507,14 @@ def _matmul_kernel(device: torch.device, **spec) -> _Specialized:
     return hit
 
 
-def _splits(tiles: int, depth: int, device: torch.device) -> int:
+def _splits(tiles: int, depth: int, block_k: int, device: torch.device) -> int:
     """K spans for a product of ``tiles`` C tiles over ``depth`` rows of K: enough programs for
     two per multiprocessor, each span at least four K slices deep."""
     processors = (torch.cuda.get_device_properties(device).multi_processor_count
                   if device.type == "cuda" else 4)
     if tiles >= processors:
         return 1
-    return max(1, min(MAX_SPLITS, -(-2 * processors // tiles), depth // (4 * MATMUL_TILE[2])))
+    return max(1, min(MAX_SPLITS, -(-2 * processors // tiles), depth // (4 * block_k)))
 
 
 def matmul(a: Tensor, b: Tensor, *, bias: Optional[Tensor] = None,
@@ -514,9 +522,10 @@ def matmul(a: Tensor, b: Tensor, *, bias: Optional[Tensor] = None,
     """``a @ b (+ residual) (+ bias)`` for float32 ``a [M, K]``, ``b [K, N]`` of any strides."""
     rows, depth = a.shape
     cols = b.shape[1]
-    block_m, block_n, block_k = MATMUL_TILE
+    tile = _matmul_tile()
+    block_m, block_n, block_k, _ = tile
     tiles = (-(-rows // block_m), -(-cols // block_n))
-    splits = _splits(tiles[0] * tiles[1], depth, a.device)
+    splits = _splits(tiles[0] * tiles[1], depth, block_k, a.device)
     out = _empty((rows, cols), torch.float32, a.device)
     if rows == 0 or cols == 0:
         return out
@@ -525,7 +534,7 @@ def matmul(a: Tensor, b: Tensor, *, bias: Optional[Tensor] = None,
         span = -(-span // block_k) * block_k
         splits = -(-depth // span)
         part = _empty((splits, rows, cols), torch.float32, a.device)
-        kernel = _matmul_kernel(a.device, precision=precision, split=True, residual=False,
+        kernel = _matmul_kernel(a.device, tile, precision=precision, split=True, residual=False,
                                 bias=False)
         kernel.fn[(tiles[0], tiles[1], splits)](
             a, b, part, part, part, rows, cols, depth, a.stride(0), a.stride(1), b.stride(0),
@@ -537,7 +546,7 @@ def matmul(a: Tensor, b: Tensor, *, bias: Optional[Tensor] = None,
         if bias is not None:
             out += bias
         return out
-    kernel = _matmul_kernel(a.device, precision=precision, split=False,
+    kernel = _matmul_kernel(a.device, tile, precision=precision, split=False,
                             residual=residual is not None, bias=bias is not None)
     res = residual if residual is not None else out
     kernel.fn[(tiles[0], tiles[1], 1)](

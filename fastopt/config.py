@@ -103,6 +103,11 @@ class KernelsConfig:
     # projections rewritten by the passes (split/merged Linears): "off" (cuBLAS through torch),
     # "tf32x3" (generated matmuls on tensor cores, about float32 accuracy) or "ieee" (generated, float32 FMA)
     matmul_precision: str = "off"
+    # tile of the generated matmuls: rows, columns and depth per step (powers of two), warps; 0 = 64, 64, 32, 4
+    matmul_block_m: int = 0
+    matmul_block_n: int = 0
+    matmul_block_k: int = 0
+    matmul_warps: int = 0
     # backward into indexed tables: "deterministic" (segmented reduction) or "atomic"
     backward_mode: str = "deterministic"
     # on-disk kernel cache; "" = ~/.cache/fastopt/kernels (or $XDG_CACHE_HOME)
@@ -243,9 +248,13 @@ class Config:
         _check(self.kernels.backend in ("auto", "triton", "reference"), "kernels.backend",
                self.kernels.backend, "one of 'auto', 'triton', 'reference'")
         for knob in ("rows_per_program", "block_m", "heads_per_program", "block_k", "num_warps",
-                     "num_stages"):
+                     "num_stages", "matmul_warps"):
             value = getattr(self.kernels, knob)
             _check(value >= 0, f"kernels.{knob}", value, ">= 0 (0 = heuristic)")
+        for knob in ("matmul_block_m", "matmul_block_n", "matmul_block_k"):
+            value = getattr(self.kernels, knob)
+            _check(value == 0 or (value >= 16 and value & (value - 1) == 0), f"kernels.{knob}",
+                   value, "0 (default) or a power of two >= 16 (tl.dot's smallest tile)")
         _check(self.passes.cuda_graphs in ("auto", "on", "off"), "passes.cuda_graphs",
                self.passes.cuda_graphs, "one of 'auto', 'on', 'off'")
         _check(self.passes.max_graphs >= 1, "passes.max_graphs", self.passes.max_graphs,

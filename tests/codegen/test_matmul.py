@@ -9,6 +9,7 @@ import fastopt.codegen as cg
 import fastopt.config as fconfig
 from codegen_inputs import rel_error
 from fastopt.codegen import kernels
+from fastopt.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
 
@@ -50,9 +51,29 @@ def test_linear_reads_strided_operands_in_place(device):
 
 def test_weight_gradient_rows_split_only_when_tiles_are_few():
     cpu = torch.device("cpu")
-    assert kernels._splits(1, 600, cpu) == 4  # 4 "processors" off the GPU, 600 // 128 = 4 spans
-    assert kernels._splits(1, 100, cpu) == 1  # too shallow to split
-    assert kernels._splits(8, 60000, cpu) == 1  # tiles enough to fill the processors
+    assert kernels._splits(1, 600, 32, cpu) == 4  # 4 "processors" off the GPU, 600 // 128 spans
+    assert kernels._splits(1, 100, 32, cpu) == 1  # too shallow to split
+    assert kernels._splits(8, 60000, 32, cpu) == 1  # tiles enough to fill the processors
+
+
+@pytest.mark.parametrize("tile", [dict(kernels__matmul_block_m=16, kernels__matmul_block_n=32,
+                                       kernels__matmul_block_k=16, kernels__matmul_warps=2),
+                                  dict(kernels__matmul_block_m=128, kernels__matmul_block_k=64)])
+def test_matmul_tiles_agree(tile, device):
+    x = _randn(150, 70, device=device, seed=10).requires_grad_()
+    w = _randn(90, 70, device=device, seed=11).requires_grad_()
+    with fconfig.patch(kernels__matmul_precision="ieee", **tile):
+        out = cg.linear(x, w)
+        dx, dw = torch.autograd.grad(out.sum(), (x, w))
+    assert rel_error(out, x.double() @ w.double().t()) < 1e-5
+    ones = torch.ones(150, 90, dtype=torch.float64, device=device)
+    assert rel_error(dx, ones @ w.double()) < 1e-5 and rel_error(dw, ones.t() @ x.double()) < 1e-5
+
+
+def test_matmul_tile_knobs_are_checked():
+    with pytest.raises(ConfigError, match="kernels.matmul_block_k"):
+        with fconfig.patch(kernels__matmul_block_k=24):
+            pass
 
 
 def test_linear_off_is_addmm():
