@@ -245,9 +245,11 @@ def row_stride(t: Tensor, dense: bool) -> Optional[int]:
     apart, so the key and value column blocks of one wider product need no copy.
     """
     heads, dim = t.shape[-2], t.shape[-1]
+    width = heads * dim
+    if t.numel() == 0:
+        return width  # nothing is read
     if (dim > 1 and t.stride(-1) != 1) or (heads > 1 and t.stride(-2) != dim):
         return None
-    width = heads * dim
     if dense:
         rows, slots = t.shape[0], t.shape[1]
         if slots == 1:

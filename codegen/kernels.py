@@ -524,11 +524,11 @@ def matmul(a: Tensor, b: Tensor, *, bias: Optional[Tensor] = None,
     cols = b.shape[1]
     tile = _matmul_tile()
     block_m, block_n, block_k, _ = tile
-    tiles = (-(-rows // block_m), -(-cols // block_n))
-    splits = _splits(tiles[0] * tiles[1], depth, block_k, a.device)
     out = _empty((rows, cols), torch.float32, a.device)
     if rows == 0 or cols == 0:
         return out
+    tiles = (-(-rows // block_m), -(-cols // block_n))
+    splits = _splits(tiles[0] * tiles[1], depth, block_k, a.device)
     if splits > 1:
         span = -(-depth // splits)
         span = -(-span // block_k) * block_k

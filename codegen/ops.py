@@ -535,9 +535,12 @@ def linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None,
     precision = default_config().kernels.matmul_precision
     tensors = (x, w, bias, residual)
     if precision != "off" and x.dim() == 2 and w.dim() == 2 and \
+            (bias is None or bias.shape == (w.shape[0],)) and \
+            (residual is None or residual.shape == (x.shape[0], w.shape[0])) and \
             all(t is None or t.dtype == torch.float32 for t in tensors) and \
-            _eager_kernels(*tensors):
-        return _Linear.apply(x, w, bias, residual, precision)
+            not torch.is_autocast_enabled(x.device.type) and _eager_kernels(*tensors):
+        return _Linear.apply(x, w, None if bias is None else bias.contiguous(), residual,
+                             precision)
     if residual is not None:
         out = torch.addmm(residual, x, w.t())
         return out if bias is None else out + bias

@@ -34,6 +34,7 @@ __all__ = [
     "module_of",
     "bool_provenance",
     "writes_in_place",
+    "IN_PLACE_OPERATORS",
 ]
 
 
@@ -169,18 +170,37 @@ class Match:
     pattern: str
 
 
+# Operators that write into their left operand (fx records ``x += y`` on a proxy as ``add``, but a
+# graph built by hand may hold these).
+IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
+                      operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                      operator.irshift, operator.iconcat)
+
+
 def writes_in_place(node: fx.Node) -> bool:
     """Whether ``node`` has an effect beyond its value: fx's impure nodes, in-place tensor methods
-    (``x.add_(1)``, whose result nobody may read), ``out=`` and ``inplace=True`` calls. Dead-code elimination after a
-    rewrite must keep these."""
+    and functions (``x.add_(1)``, ``torch.relu_(x)``, whose result nobody may read), in-place
+    operators, ``out=`` and ``inplace=True`` calls, and modules built with ``inplace=True``.
+    Dead-code elimination after a rewrite must keep these."""
     if node.is_impure():
         return True
-    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__"):
+    target = node.target
+    if node.op == "call_method":
+        return target.endswith("_") and not target.startswith("__")
+    if node.op == "call_module":
+        owner = node.graph.owning_module
+        module = owner.get_submodule(target) if owner is not None else None
+        return bool(getattr(module, "inplace", False))
+    if node.op != "call_function":
+        return False
+    if target in IN_PLACE_OPERATORS:
         return True
-    if node.op == "call_function" and getattr(node.target, "__name__", "").endswith("_") and \
-            not node.target.__name__.startswith("__"):
+    name = getattr(target, "__name__", "")
+    if getattr(target, "__module__", None) != "_operator" and name.endswith("_") and \
+            not name.startswith("__"):
         return True
-    return "out" in node.kwargs or node.kwargs.get("inplace") is True
+    return node.kwargs.get("out") is not None or node.kwargs.get("inplace") is True
 
 
 class RewritePass:

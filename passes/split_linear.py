@@ -39,10 +39,12 @@ import operator
 from typing import List, Optional, Sequence, Union
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 
 from fastopt.passes import lowering
-from fastopt.passes.pattern import _SITES, Match, RewritePass, arg, call, module_of
+from fastopt.passes.pattern import (_SITES, Match, RewritePass, arg, call, module_of,
+                                    writes_in_place)
 
 __all__ = ["SplitLinearInputs"]
 
@@ -109,13 +111,6 @@ class _Siblings(Match):
     siblings: Sequence[fx.Node] = ()
 
 
-# Tensor methods and operators that write into their input.
-_IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                       operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
-                       operator.iand, operator.ior, operator.ixor, operator.ilshift,
-                       operator.irshift, operator.iconcat)
-
-
 def _siblings(gm: fx.GraphModule, node: fx.Node, cat: fx.Node) -> List[fx.Node]:
     """The Linears called on ``cat`` alone (``node`` among them) that can share one product: same
     input width, each user accepting a column block of the product; ``[node]`` if fewer than two."""
@@ -132,23 +127,38 @@ def _siblings(gm: fx.GraphModule, node: fx.Node, cat: fx.Node) -> List[fx.Node]:
     return found if node in found and len(found) > 1 else [node]
 
 
-def _accepts_column_block(user: fx.Node, width: int) -> bool:
-    """Whether ``user`` computes the same from a column block (a view of row stride larger than
-    ``width``) as from a contiguous tensor: not in place, not a view merging the features."""
-    if user.op in ("output", "call_module", "placeholder", "get_attr"):
+# Calls that read a column block and return a new tensor (never an alias of it, never writing it).
+_PURE_METHODS = {"add", "sub", "mul", "div", "sum", "mean", "amax", "softmax", "exp", "tanh",
+                 "sigmoid", "relu", "matmul", "bmm", "neg", "pow", "clamp", "masked_fill"}
+_PURE_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
+                   operator.pow, operator.matmul, torch.add, torch.sub, torch.mul, torch.div,
+                   torch.matmul, torch.bmm, torch.sum, torch.softmax, torch.exp, torch.tanh,
+                   torch.sigmoid, torch.relu, torch.masked_fill, F.relu, F.leaky_relu, F.gelu,
+                   F.softmax}
+
+
+def _accepts_column_block(user: fx.Node, width: int, depth: int = 0) -> bool:
+    """Whether ``user`` computes the same from a column block of a wider product (a view with a
+    larger row stride, which may not be written in place) as from its own tensor.
+
+    Allowed: a ``view`` that only splits the ``width`` features (its users checked the same way),
+    the fused operators of :mod:`fastopt.passes.lowering`, and calls that return a new tensor
+    (:data:`_PURE_METHODS`, :data:`_PURE_FUNCTIONS`) without writing in place. Anything else
+    (another alias such as ``reshape``, ``contiguous`` or ``transpose``, whose in-place writes
+    would miss or fail on the block; a submodule; the graph's output) keeps the Linear apart.
+    """
+    if depth > 4 or writes_in_place(user) or user.op != "call_method" and \
+            user.op != "call_function":
         return False
     target = user.target
+    if target == "view" or target is torch.Tensor.view:
+        return _splits_only_features(user, width) and \
+            all(_accepts_column_block(u, width, depth + 1) for u in user.users)
     if user.op == "call_method":
-        if target.endswith("_") and not target.startswith("__"):
-            return False
-        if target == "view":
-            return _splits_only_features(user, width)
+        return target in _PURE_METHODS
+    if getattr(target, "__module__", None) == lowering.__name__:
         return True
-    if target in _IN_PLACE_OPERATORS:
-        return False
-    if target is torch.Tensor.view:
-        return _splits_only_features(user, width)
-    return True
+    return target in _PURE_FUNCTIONS
 
 
 def _splits_only_features(view: fx.Node, width: int) -> bool:

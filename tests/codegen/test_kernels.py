@@ -332,3 +332,11 @@ def test_row_stride_of_key_layouts():
     assert checks.row_stride(torch.zeros(4, 1, 2, 5), True) == 10
     assert checks.row_stride(torch.zeros(7, 20)[:, 5:15].view(7, 2, 5), False) == 20
     assert checks.key_rows(t.transpose(0, 1), True).is_contiguous()
+    assert checks.row_stride(torch.zeros(4, 0, 2, 5), True) == 10  # nothing to read
+
+
+def test_attention_over_no_slots_gives_zeros(device):
+    q = randn(3, 2, 5, generator=torch.Generator().manual_seed(0), device=device)
+    k = torch.zeros(3, 0, 2, 5, device=device)
+    mask = torch.zeros(3, 0, dtype=torch.bool, device=device)
+    assert torch.equal(cg.temporal_attention(q, k, k, mask), torch.zeros_like(q))

@@ -117,3 +117,27 @@ def test_split_and_merged_projections_run_on_the_generated_matmuls(device):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows, depth, cols", [(0, 40, 30), (50, 0, 30), (50, 40, 0)])
+def test_linear_of_empty_operands(rows, depth, cols, device):
+    x = _randn(rows, depth, device=device, seed=12).requires_grad_()
+    w = _randn(cols, depth, device=device, seed=13).requires_grad_()
+    bias = _randn(cols, device=device, seed=14).requires_grad_()
+    with fconfig.patch(kernels__matmul_precision="ieee"):
+        out = cg.linear(x, w, bias)
+        dx, dw, db = torch.autograd.grad(out.sum(), (x, w, bias))
+    torch.testing.assert_close(out, torch.addmm(bias, x, w.t()))
+    assert dx.shape == x.shape and dw.shape == w.shape
+    torch.testing.assert_close(db, torch.full_like(bias, float(rows)))
+
+
+def test_linear_with_a_strided_bias_or_broadcast_residual(device):
+    """A bias read with a stride, and a residual broadcast over rows (which the kernels do not
+    take: the addmm path runs), give addmm's values."""
+    x, w = _randn(20, 8, device=device, seed=15), _randn(6, 8, device=device, seed=16)
+    wide = _randn(6, 3, device=device, seed=17)
+    with fconfig.patch(kernels__matmul_precision="ieee"):
+        torch.testing.assert_close(cg.linear(x, w, wide[:, 1]), torch.addmm(wide[:, 1], x, w.t()))
+        torch.testing.assert_close(cg.linear(x, w, residual=wide[:, 2]),
+                                   torch.addmm(wide[:, 2], x, w.t()))

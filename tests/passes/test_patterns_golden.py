@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -301,7 +303,33 @@ def test_sibling_linears_left_apart_where_a_user_needs_its_own_tensor():
             kv_in = torch.cat([h, edge, torch.cos(self.enc(dt))], dim=-1)
             return self.w_k(kv_in).view(M, K * 4) * self.w_v(kv_in).view(M, K * 4)
 
-    for cls in (KeysValuesOverParts, InPlace, Flattened):
+    class FunctionalInPlace(KeysValuesOverParts):
+        def forward(self, h, edge, dt):
+            kv_in = torch.cat([h, edge, torch.cos(self.enc(dt))], dim=-1)
+            key = F.relu(self.w_k(kv_in), inplace=True)
+            return key * self.w_v(kv_in)
+
+    class ViewThenInPlace(KeysValuesOverParts):
+        def forward(self, h, edge, dt):
+            kv_in = torch.cat([h, edge, torch.cos(self.enc(dt))], dim=-1)
+            key = self.w_k(kv_in)
+            key.view(M, K, 2, 2).mul_(2.0)
+            return key * self.w_v(kv_in)
+
+    class CopyThenInPlace(KeysValuesOverParts):
+        def forward(self, h, edge, dt):
+            kv_in = torch.cat([h, edge, torch.cos(self.enc(dt))], dim=-1)
+            key = self.w_k(kv_in)
+            key.contiguous().mul_(2.0)  # an alias of key in eager mode, a copy of a column block
+            return key * self.w_v(kv_in)
+
+    class ReturnedView(KeysValuesOverParts):
+        def forward(self, h, edge, dt):
+            kv_in = torch.cat([h, edge, torch.cos(self.enc(dt))], dim=-1)
+            return self.w_k(kv_in).view(M, K, 2, 2), self.w_v(kv_in).view(M, K, 2, 2)
+
+    for cls in (KeysValuesOverParts, InPlace, Flattened, FunctionalInPlace, ViewThenInPlace,
+                CopyThenInPlace, ReturnedView):
         torch.manual_seed(0)
         before = cls()
         p = SplitLinearInputs()
@@ -312,6 +340,38 @@ def test_sibling_linears_left_apart_where_a_user_needs_its_own_tensor():
         ref, got = before(h, edge, dt), gm(h, edge, dt)
         for r, g in zip(ref if isinstance(ref, tuple) else (ref,), got if isinstance(got, tuple) else (got,)):
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_rewrites_keep_in_place_modules_and_drop_dead_masks():
+    """Dead-code elimination after a rewrite keeps a module built with inplace=True whose result
+    nobody reads, and still removes pure dead nodes (``a & b``)."""
+    from fastopt.passes.pattern import writes_in_place
+
+    class ActInPlace(KeysValuesOverParts):
+        def __init__(self):
+            super().__init__()
+            self.act = nn.ReLU(inplace=True)
+
+        def forward(self, h, edge, dt):
+            kv_in = torch.cat([h, edge, torch.cos(self.enc(dt))], dim=-1)
+            key = self.w_k(kv_in)
+            self.act(key)
+            return key
+
+    torch.manual_seed(0)
+    before = ActInPlace()
+    gm, modified = SplitLinearInputs()(trace(before, training=False))
+    assert modified and any(n.op == "call_module" and n.target == "act" for n in gm.graph.nodes)
+    h = torch.randn(M, K, 2, requires_grad=True)
+    edge, dt = torch.randn(M, K, 5), torch.rand(M, K, 1)
+    torch.testing.assert_close(gm(h, edge, dt), before(h, edge, dt))
+    graph = fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    dead = graph.call_function(operator.and_, (a, b))
+    graph.output(a)
+    assert not writes_in_place(dead)
+    graph.eliminate_dead_code(is_impure_node=writes_in_place)
+    assert dead not in graph.nodes
 
 
 def test_split_linear_inputs_leaves_other_concatenations():
