@@ -156,7 +156,7 @@ def _attention_spec(q: Tensor, k: Tensor, v: Tensor, mask, indptr, k_index, v_in
                           f"spaced (strides {tuple(k.stride())}, {tuple(v.stride())}); pass "
                           ".contiguous() tensors")
     return dict(stage=stage, K=slots, H=heads, D=dim, k_stride=strides[0], v_stride=strides[1],
-                dtype=_TL_DTYPES[q.dtype],
+                dk_stride=heads * dim, dv_stride=heads * dim, dtype=_TL_DTYPES[q.dtype],
                 acc=_TL_DTYPES[_acc_dtype(q.dtype)], mask_form=_mask_form(mask, indptr),
                 k_indexed=k_index is not None, v_indexed=v_index is not None,
                 dropout=dropout_p > 0.0, dropout_bits=reference.DROPOUT_BITS, time_dim=time_dim,
@@ -184,13 +184,32 @@ def _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p
     return out, lse
 
 
+def packed_blocks(k: Tensor, v: Tensor) -> bool:
+    """Whether dense keys and values are the two column blocks ``[..., :H*d]``, ``[..., H*d:]``
+    of one ``[M, K, 2*H*d]`` product (projected together): their gradients then fill one such
+    buffer, which the product's backward takes without concatenating them."""
+    width = k.shape[-2] * k.shape[-1]
+    return (k.dim() == 4 and k.shape == v.shape and k.stride() == v.stride() and k.numel() > 0
+            and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+            and v.storage_offset() == k.storage_offset() + width
+            and checks.row_stride(k, True) == 2 * width)
+
+
 def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_index, scale,
-                        dropout_p, seed, time: Optional[Tuple[Tensor, ...]]):
-    """Returns ``(dq, dk, dv, ds_coef, pd_coef)``; the coefficients only with a time prologue."""
+                        dropout_p, seed, time: Optional[Tuple[Tensor, ...]],
+                        pack: bool = False):
+    """Returns ``(dq, dk, dv, ds_coef, pd_coef)``; the coefficients only with a time prologue.
+
+    With ``pack`` and keys/values that are :func:`packed_blocks`, dk and dv are the two halves
+    of one ``[M, K, 2*H*d]`` buffer (views of it, laid out as the keys and values were).
+    """
     rows, heads, dim = q.shape
     mode = default_config().kernels.backward_mode
     spec = _attention_spec(q, k, v, mask, indptr, k_index, v_index, dropout_p,
                            time[1].shape[0] if time is not None else 0, "backward", seed)
+    packed = pack and k_index is None and v_index is None and packed_blocks(k, v)
+    if packed:
+        spec.update(dk_stride=2 * heads * dim, dv_stride=2 * heads * dim)
     slots = spec["K"]
     indexed = k_index is not None or v_index is not None
     write_coef = time is not None or (indexed and mode == "deterministic")
@@ -205,7 +224,11 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
             return torch.zeros(t.shape, device=t.device, dtype=acc)
         return q  # unused: rows are produced by segment_reduce below
 
-    dk, dv = grad_buffer(k, k_index), grad_buffer(v, v_index)
+    if packed:
+        both = _empty((*k.shape[:2], 2 * heads * dim), k.dtype, k.device)
+        dk, dv = (half.view(k.shape) for half in both.split(heads * dim, -1))
+    else:
+        dk, dv = grad_buffer(k, k_index), grad_buffer(v, v_index)
     if write_coef:
         ds_coef = _empty((rows, heads, slots), acc, q.device)
         pd_coef = _empty((rows, heads, slots), acc, q.device)
@@ -246,10 +269,12 @@ def attention_forward(q, k, v, mask=None, indptr=None, *, k_index=None, v_index=
 
 
 def attention_backward(grad_out, q, k, v, out, lse, mask=None, indptr=None, *, k_index=None,
-                       v_index=None, scale, dropout_p=0.0, seed=0) -> Tuple[Tensor, Tensor, Tensor]:
-    """Backward kernels of ``fastopt::temporal_attention``: ``(dq, dk, dv)``."""
+                       v_index=None, scale, dropout_p=0.0, seed=0,
+                       pack: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    """Backward kernels of ``fastopt::temporal_attention``: ``(dq, dk, dv)``; ``pack``: see
+    :func:`_attention_backward` (not for the custom op, whose outputs may not alias)."""
     dq, dk, dv, _, _ = _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index,
-                                           v_index, scale, dropout_p, seed, None)
+                                           v_index, scale, dropout_p, seed, None, pack)
     return dq, dk, dv
 
 

@@ -162,7 +162,7 @@ class _EagerAttention(torch.autograd.Function):
         scale, dropout_p, seed = ctx.hyper
         dq, dk, dv = _kernels().attention_backward(
             grad_out.contiguous(), q, k, v, out, lse, mask, indptr, k_index=k_index,
-            v_index=v_index, scale=scale, dropout_p=dropout_p, seed=seed)
+            v_index=v_index, scale=scale, dropout_p=dropout_p, seed=seed, pack=True)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 

@@ -23,6 +23,7 @@ finite negative number (softmax of equal scores is uniform).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import string
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from fastopt import codegen
 from fastopt.config import default_config
@@ -45,6 +47,7 @@ __all__ = [
     "fused_time_encode",
     "linear_over_parts",
     "linears_over_parts",
+    "column_blocks",
     "project_rows",
     "site_shapes",
 ]
@@ -466,7 +469,8 @@ def fused_multihead_attention(mha: torch.nn.MultiheadAttention, query: Tensor, k
         q = F.linear(query[:, 0], wq, bq).view(m, h, d)
         if shared:  # keys and values of one sequence: one product, read as column blocks
             kv = F.linear(key, torch.cat([wk, wv]), None if bk is None else torch.cat([bk, bv]))
-            k, v = (block.view(m, kk, h, d) for block in kv.split(mha.embed_dim, -1))
+            k, v = (block.view(m, kk, h, d)
+                    for block in column_blocks(kv, (mha.embed_dim, mha.embed_dim)))
         else:
             k = F.linear(key, wk, bk).view(m, kk, h, d)
             v = F.linear(value, wv, bv).view(m, kk, h, d)
@@ -610,7 +614,53 @@ def linears_over_parts(linears: Sequence[torch.nn.Linear], *parts: Tensor,
         y = F.linear(torch.cat(parts, dim=-1), weight, bias)
     else:
         y = _product_over_parts(weight, bias, parts, groups, site)
-    return torch.split(y, [linear.out_features for linear in linears], dim=-1)
+    return column_blocks(y, [linear.out_features for linear in linears])
+
+
+def column_blocks(y: Tensor, widths: Sequence[int]) -> Tuple[Tensor, ...]:
+    """``torch.split(y, widths, -1)``, whose backward takes the blocks' gradients as they lie when
+    they are the blocks of one tensor laid out as ``y`` (the fused attention writes the key and
+    value gradients so): no concatenation. Only where gradients are recorded; the blocks may not
+    be written in place (as ``split``'s)."""
+    if not torch.is_grad_enabled() or not y.requires_grad:
+        return torch.split(y, list(widths), dim=-1)
+    return _ColumnBlocks.apply(y, tuple(widths))
+
+
+def adjacent_blocks(grads: Sequence[Optional[Tensor]], like: Tensor,
+                    widths: Sequence[int]) -> Optional[Tensor]:
+    """The tensor shaped and strided as ``like`` whose column blocks of ``widths`` are ``grads``,
+    if they already are exactly that (same storage, adjacent offsets, ``like``'s strides); else
+    None."""
+    if any(g is None for g in grads) or like.stride(-1) != 1:
+        return None
+    first = grads[0]
+    offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
+    for g, start in zip(grads, itertools.accumulate([0, *widths[:-1]])):
+        if (g.untyped_storage().data_ptr() != storage or g.stride() != like.stride()
+                or g.storage_offset() != offset + start or g.dtype != like.dtype):
+            return None
+    return first.as_strided(like.shape, like.stride(), offset)
+
+
+class _ColumnBlocks(torch.autograd.Function):
+    """See :func:`column_blocks`."""
+
+    @staticmethod
+    def forward(ctx, y, widths):
+        ctx.widths = widths
+        ctx.save_for_backward(y)
+        return tuple(y.split(list(widths), dim=-1))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        (y,) = ctx.saved_tensors
+        whole = adjacent_blocks(grads, y, ctx.widths)
+        if whole is None:
+            whole = torch.cat([g if g is not None else y.new_zeros(*y.shape[:-1], w)
+                               for g, w in zip(grads, ctx.widths)], dim=-1)
+        return whole, None
 
 
 def _stackable(linears: Sequence[torch.nn.Module], parts: Sequence[Tensor]) -> bool:

@@ -340,3 +340,35 @@ def test_attention_over_no_slots_gives_zeros(device):
     k = torch.zeros(3, 0, 2, 5, device=device)
     mask = torch.zeros(3, 0, dtype=torch.bool, device=device)
     assert torch.equal(cg.temporal_attention(q, k, k, mask), torch.zeros_like(q))
+
+
+def test_key_and_value_gradients_fill_one_buffer_for_the_projection(device):
+    """Keys and values as column blocks of one product (passes.lowering.column_blocks): the
+    attention's backward writes both gradients into one buffer, which the blocks' backward hands
+    on whole (no concatenation), with the values of the unfused chain."""
+    from fastopt.passes import lowering
+
+    rows, slots, heads, dim = 4, 6, 2, 8
+    gen = torch.Generator().manual_seed(5)
+    q = randn(rows, heads, dim, generator=gen, device=device)
+    kv = randn(rows, slots, 2 * heads * dim, generator=gen, device=device)
+    mask = neighbors(rows, slots, gen, device).mask
+    grad = randn(rows, heads, dim, generator=gen, device=device)
+    seen = []
+    adjacent = lowering.adjacent_blocks
+
+    def spy(grads, like, widths):
+        seen.append(adjacent(grads, like, widths))
+        return seen[-1]
+
+    lowering.adjacent_blocks = spy
+    try:
+        k, v = (b.view(rows, slots, heads, dim)
+                for b in lowering.column_blocks(kv, (heads * dim, heads * dim)))
+        (got,) = torch.autograd.grad(cg.temporal_attention(q, k, v, mask), kv, grad)
+    finally:
+        lowering.adjacent_blocks = adjacent
+    assert len(seen) == 1 and seen[0] is not None
+    k, v = (b.reshape(rows, slots, heads, dim) for b in kv.split(heads * dim, -1))
+    (want,) = torch.autograd.grad(reference.temporal_attention(q, k, v, mask), kv, grad)
+    assert rel_error(got, want) < TOL

@@ -486,3 +486,20 @@ def test_multihead_attention_keys_and_values_of_one_tensor(merge):
     for a, b in zip(want, have):
         if a is not None:
             torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+def test_column_blocks_backward_is_splits():
+    """Gradients of column blocks: taken whole when they are adjacent blocks of one tensor,
+    concatenated otherwise (a missing one counts as zeros); equal to torch.split's either way."""
+    y = torch.randn(3, 4, 10, requires_grad=True)
+    k, v = lowering.column_blocks(y, (6, 4))
+    whole = torch.randn(3, 4, 10)
+    gk, gv = whole.split((6, 4), -1)
+    assert lowering.adjacent_blocks([gk, gv], y, (6, 4)).data_ptr() == whole.data_ptr()
+    assert lowering.adjacent_blocks([gv, gk], y, (4, 6)) is None
+    assert lowering.adjacent_blocks([gk.clone(), gv], y, (6, 4)) is None
+    for grads in ((gk, gv), (gk.clone(), gv.clone()), (gk, None)):
+        outs, used = zip(*[(o, g) for o, g in zip((k, v), grads) if g is not None])
+        (got,) = torch.autograd.grad(outs, y, used, retain_graph=True)
+        (want,) = torch.autograd.grad([o for o in y.split((6, 4), -1)][:len(used)], y, used)
+        assert torch.equal(got, want)
