@@ -543,39 +543,50 @@ def _splits(tiles: int, depth: int, block_k: int, device: torch.device) -> int:
 
 
 def matmul(a: Tensor, b: Tensor, *, bias: Optional[Tensor] = None,
-           residual: Optional[Tensor] = None, precision: str = "tf32x3") -> Tensor:
-    """``a @ b (+ residual) (+ bias)`` for float32 ``a [M, K]``, ``b [K, N]`` of any strides."""
+           residual: Optional[Tensor] = None, precision: str = "tf32x3",
+           row_sums: bool = False):
+    """``a @ b (+ residual) (+ bias)`` for float32 ``a [M, K]``, ``b [K, N]`` of any strides;
+    with ``row_sums``, ``(product, a.sum(1))``, the sums from the product's own reads of ``a``."""
     rows, depth = a.shape
     cols = b.shape[1]
     tile = _matmul_tile()
     block_m, block_n, block_k, _ = tile
     out = _empty((rows, cols), torch.float32, a.device)
-    if rows == 0 or cols == 0:
-        return out
+    if rows == 0 or cols == 0 or depth == 0:
+        if depth == 0 and rows * cols:
+            out.zero_()
+            if residual is not None:
+                out += residual
+            if bias is not None:
+                out += bias
+        return (out, a.sum(1, dtype=torch.float32)) if row_sums else out
     tiles = (-(-rows // block_m), -(-cols // block_n))
     splits = _splits(tiles[0] * tiles[1], depth, block_k, a.device)
+    span = -(-depth // splits)
+    span = -(-span // block_k) * block_k
+    splits = -(-depth // span)
+    sums = _empty((splits, rows), torch.float32, a.device) if row_sums else out
     if splits > 1:
-        span = -(-depth // splits)
-        span = -(-span // block_k) * block_k
-        splits = -(-depth // span)
         part = _empty((splits, rows, cols), torch.float32, a.device)
         kernel = _matmul_kernel(a.device, tile, precision=precision, split=True, residual=False,
-                                bias=False)
+                                bias=False, row_sums=row_sums)
         kernel.fn[(tiles[0], tiles[1], splits)](
-            a, b, part, part, part, rows, cols, depth, a.stride(0), a.stride(1), b.stride(0),
-            b.stride(1), 0, 0, 0, 0, span, num_warps=kernel.cfg.num_warps,
+            a, b, part, part, part, sums, rows, cols, depth, a.stride(0), a.stride(1),
+            b.stride(0), b.stride(1), 0, 0, 0, 0, span, num_warps=kernel.cfg.num_warps,
             num_stages=kernel.cfg.num_stages)
         torch.sum(part, 0, out=out)
         if residual is not None:
             out += residual
         if bias is not None:
             out += bias
-        return out
-    kernel = _matmul_kernel(a.device, tile, precision=precision, split=False,
-                            residual=residual is not None, bias=bias is not None)
-    res = residual if residual is not None else out
-    kernel.fn[(tiles[0], tiles[1], 1)](
-        a, b, out, res, bias if bias is not None else out, rows, cols, depth, a.stride(0),
-        a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), res.stride(0),
-        res.stride(1), depth, num_warps=kernel.cfg.num_warps, num_stages=kernel.cfg.num_stages)
-    return out
+    else:
+        kernel = _matmul_kernel(a.device, tile, precision=precision, split=False,
+                                residual=residual is not None, bias=bias is not None,
+                                row_sums=row_sums)
+        res = residual if residual is not None else out
+        kernel.fn[(tiles[0], tiles[1], 1)](
+            a, b, out, res, bias if bias is not None else out, sums, rows, cols, depth,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+            res.stride(0), res.stride(1), depth, num_warps=kernel.cfg.num_warps,
+            num_stages=kernel.cfg.num_stages)
+    return (out, sums.sum(0)) if row_sums else out

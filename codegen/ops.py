@@ -513,8 +513,13 @@ class _Linear(torch.autograd.Function):
         matmul = _kernels().matmul
         need_x, need_w, need_bias, need_residual, _ = ctx.needs_input_grad
         dx = matmul(grad, w, precision=ctx.precision) if need_x else None
-        dw = matmul(grad.t(), x, precision=ctx.precision) if need_w else None
-        dbias = grad.sum(0) if need_bias else None
+        dw = dbias = None
+        if need_w and need_bias:  # the bias gradient from the weight gradient's reads of grad
+            dw, dbias = matmul(grad.t(), x, precision=ctx.precision, row_sums=True)
+        elif need_w:
+            dw = matmul(grad.t(), x, precision=ctx.precision)
+        elif need_bias:
+            dbias = grad.sum(0)
         return dx, dw, dbias, grad if need_residual else None, None
 
 
