@@ -3,15 +3,17 @@
 Runs, in one process on one GPU and the same inputs: the eager model, ``torch.compile(model)``
 (default mode), ``torch.compile(model, mode="reduce-overhead")`` (CUDA graphs of the compiled
 model: the stronger baseline), and ``fastopt.optimize(model)`` with CUDA graphs on and, for
-reference, off (``config.passes.cuda_graphs``), without the split of Linears over
-concatenations (``config.passes.split_linear_inputs``) and without the merge of sibling
-projections into one product (``config.passes.merge_sibling_linears``), and with the
-projections on the generated tensor-core matmuls (``config.kernels.matmul_precision =
-"tf32x3"``, off by default; checked against eager on its first calls), at TGN/TGAT batch shapes
-(600 roots = 200 events with their destinations and negatives; 10 most recent neighbors for
-TGN, 10 x 10 uniform for TGAT; width 100, 2 heads, 172 edge features as in Wikipedia/Reddit). Each step is timed with CUDA events after warm-up, gradients set to None
-before it (untimed, as a training loop's ``zero_grad()``); the median is reported. Prints a
-table and writes JSON with the date, GPU, versions, git commit and the exact command::
+reference: off (``config.passes.cuda_graphs``); without the split of Linears over
+concatenations (``config.passes.split_linear_inputs``); without the merge of sibling
+projections into one product (``config.passes.merge_sibling_linears``); with the projections
+on the generated tensor-core matmuls (``config.kernels.matmul_precision = "tf32x3"``) and with
+the time encoding fused (``config.passes.fuse_time_encoding = "always"``), both off by default
+and checked against eager on their first calls. Batch shapes of TGN/TGAT: 600 roots (200 events
+with their destinations and negatives), 10 most recent neighbors for TGN, 10 x 10 uniform for
+TGAT, width 100, 2 heads, 172 edge features as in Wikipedia/Reddit. Each step is timed with CUDA
+events after warm-up, gradients set to None before it (untimed, as a training loop's
+``zero_grad()``); the median is reported. Prints a table and writes JSON with the date, GPU,
+versions, git commit and the exact command::
 
     python bench/optimize.py --json bench/results/optimize_h200.json
 """
@@ -171,13 +173,16 @@ def main(argv=None) -> int:
         unmerged = fastopt.optimize(model, config={"passes": {"merge_sibling_linears": False}})
         tensor_cores = fastopt.optimize(model, verify=True,
                                         config={"kernels": {"matmul_precision": "tf32x3"}})
+        time_fused = fastopt.optimize(model, verify=True,
+                                      config={"passes": {"fuse_time_encoding": "always"}})
         row = {"model": name, "roots": args.roots, "fanouts": list(model.fanouts),
                "rewrites": [f"{r.where} {r.pattern} -> {r.op}"
                             for r in fast.fastopt_report.rewrites]}
         # torch.compile last: its caches must not see (or touch) the other columns' calls
         columns = [("eager_ms", model, None), ("fastopt_nographs_ms", plain, None),
                    ("fastopt_nosplit_ms", unsplit, None), ("fastopt_nomerge_ms", unmerged, None),
-                   ("fastopt_tf32x3_ms", tensor_cores, None), ("fastopt_ms", fast, None)]
+                   ("fastopt_tf32x3_ms", tensor_cores, None),
+                   ("fastopt_timeenc_ms", time_fused, None), ("fastopt_ms", fast, None)]
         if not args.no_compile:
             columns += [("compile_ms", lambda: torch.compile(model), None),
                         ("compile_ro_ms", lambda: torch.compile(model, mode="reduce-overhead"),
@@ -208,14 +213,14 @@ def main(argv=None) -> int:
         if args.json:
             _write(args, rows)
     head = ("model", "eager ms", "compile ms", "compile-ro ms", "fastopt-nograph ms",
-            "fastopt-nosplit ms", "fastopt-nomerge ms", "fastopt-tf32x3 ms", "fastopt ms",
-            "x eager", "x compile", "x compile-ro")
+            "fastopt-nosplit ms", "fastopt-nomerge ms", "fastopt-tf32x3 ms",
+            "fastopt-timeenc ms", "fastopt ms", "x eager", "x compile", "x compile-ro")
     print(" ".join(f"{h:>18}" for h in head))
     for r in rows:
         cells = [r["model"]] + [r.get(k) for k in ("eager_ms", "compile_ms", "compile_ro_ms",
                                                    "fastopt_nographs_ms", "fastopt_nosplit_ms",
                                                    "fastopt_nomerge_ms", "fastopt_tf32x3_ms",
-                                                   "fastopt_ms",
+                                                   "fastopt_timeenc_ms", "fastopt_ms",
                                                    "speedup_vs_eager", "speedup_vs_compile",
                                                    "speedup_vs_compile_ro")]
         print(" ".join(f"{c:>18}" if isinstance(c, str) else

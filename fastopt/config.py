@@ -133,6 +133,9 @@ class PassesConfig:
     split_linear_inputs: bool = True
     # Linears of one concatenated input (keys and values): one product of their stacked weights
     merge_sibling_linears: bool = True
+    # cos(Linear(1, T)(dt)) as one fused op: "off", "graphs" (inside captured CUDA graphs only,
+    # where its launch costs no host time) or "always"
+    fuse_time_encoding: str = "off"
 
 
 @dataclass
@@ -255,6 +258,9 @@ class Config:
             value = getattr(self.kernels, knob)
             _check(value == 0 or (value >= 16 and value & (value - 1) == 0), f"kernels.{knob}",
                    value, "0 (default) or a power of two >= 16 (tl.dot's smallest tile)")
+        _check(self.passes.fuse_time_encoding in ("off", "graphs", "always"),
+               "passes.fuse_time_encoding", self.passes.fuse_time_encoding,
+               "one of 'off', 'graphs', 'always'")
         _check(self.passes.cuda_graphs in ("auto", "on", "off"), "passes.cuda_graphs",
                self.passes.cuda_graphs, "one of 'auto', 'on', 'off'")
         _check(self.passes.max_graphs >= 1, "passes.max_graphs", self.passes.max_graphs,

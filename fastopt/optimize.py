@@ -6,7 +6,7 @@ from typing import Union
 
 from torch import nn
 
-from fastopt.config import Config, default_config
+from fastopt.config import Config, default_config, patch
 from fastopt.errors import TraceError
 from fastopt.passes import optimize_module
 from fastopt.trainer import _resolve_config
@@ -34,8 +34,9 @@ def optimize(model: nn.Module, *, config: Union[str, Config, dict, None] = "auto
         model: An ``nn.Module``; it is not modified.
         config: ``"auto"`` (the process configuration, :func:`fastopt.default_config`), a
             :class:`fastopt.Config` or a dict of config groups. Its ``kernels`` group (backend,
-            thread mapping) and ``passes`` group (``fuse_dropout``, ``cuda_graphs``) apply while the optimized
-            modules run; ``"auto"`` follows the process configuration as it changes.
+            thread mapping) and ``passes`` group (``fuse_dropout``, ``cuda_graphs``, ...) apply
+            while the passes rewrite and while the optimized modules run; ``"auto"`` follows the
+            process configuration as it changes.
         verify: Run the eager and the optimized computation side by side on the first calls of
             every rewritten module and raise if they disagree.
 
@@ -59,6 +60,8 @@ def optimize(model: nn.Module, *, config: Union[str, Config, dict, None] = "auto
         raise TraceError(f"optimize expects a torch.nn.Module (got {type(model).__name__}); "
                          f"wrap the function in an nn.Module")
     cfg = _resolve_config(config)
-    optimized, report = optimize_module(model, verify=verify, changes=_changes(cfg))
+    changes = _changes(cfg)
+    with patch(**changes):  # the passes read the configuration too (fuse_time_encoding)
+        optimized, report = optimize_module(model, verify=verify, changes=changes)
     object.__setattr__(optimized, "fastopt_report", report)
     return optimized

@@ -526,9 +526,13 @@ def fused_masked_aggregate(x: Tensor, weight: Tensor, count: Optional[Tensor] = 
 
 
 def fused_time_encode(dt: Tensor, linear: torch.nn.Linear, *, site: str = "") -> Tensor:
-    """``torch.cos(linear(dt.unsqueeze(-1)))`` for a ``Linear(1, T)``, fused."""
+    """``torch.cos(linear(dt.unsqueeze(-1)))`` for a ``Linear(1, T)``, fused: always, or only
+    while a CUDA graph is being captured (``config.passes.fuse_time_encoding``)."""
     w = linear.weight
-    if dt.dtype == w.dtype and w.shape[1] == 1 and dt.is_floating_point():
+    mode = default_config().passes.fuse_time_encoding
+    fuse = mode == "always" or (mode == "graphs" and dt.is_cuda
+                                and torch.cuda.is_current_stream_capturing())
+    if fuse and dt.dtype == w.dtype and w.shape[1] == 1 and dt.is_floating_point():
         b = linear.bias if linear.bias is not None else w.new_zeros(w.shape[0])
         _record(site, (w.shape[0],))
         return codegen.time_encode(dt, w[:, 0], b)

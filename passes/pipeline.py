@@ -6,15 +6,16 @@ also a masked-looking ``(a * v).sum``; the split of Linears over concatenations 
 attention matches read the projections); projection before gather runs last. ``passes/README.md``
 states the invariants every pass keeps.
 
-``fuse_time_encoding`` is not in the default pipeline: on its own, one ``time_encode`` custom op
-costs more host time per call than the ``addmm`` and ``cos`` it replaces (H200 profile of
-TGN/TGAT steps, ``bench/optimize.py --profile``); it pays only as the prologue of
-``time_encoded_attention``, which needs the key/value projection split first. Run it explicitly
-with ``PassManager([FuseTimeEncoding()])`` where a standalone encoding is wanted.
+``fuse_time_encoding`` joins the pipeline (last) only when ``config.passes.fuse_time_encoding`` is
+not ``"off"`` (its default): called from Python, one ``time_encode`` custom op costs more host time
+than the ``addmm`` and ``cos`` it replaces (H200 profile of TGN/TGAT steps, ``bench/optimize.py
+--profile``); inside a captured CUDA graph (``"graphs"``) it costs no host time and saves the
+encoding's round trips through memory (not yet measured).
 """
 
 from __future__ import annotations
 
+from fastopt.config import default_config
 from fastopt.passes.aggregate import FuseMaskedAggregation
 from fastopt.passes.attention import FuseTemporalAttention
 from fastopt.passes.attention_mha import FuseMultiheadAttention
@@ -22,6 +23,7 @@ from fastopt.passes.attention_sdpa import FuseSdpaAttention
 from fastopt.passes.manager import PassManager
 from fastopt.passes.project_before_gather import ProjectBeforeGather
 from fastopt.passes.split_linear import SplitLinearInputs
+from fastopt.passes.time_encoding import FuseTimeEncoding
 
 __all__ = ["PIPELINE", "default_pipeline"]
 
@@ -36,5 +38,9 @@ PIPELINE = (
 
 
 def default_pipeline() -> PassManager:
-    """A fresh :class:`PassManager` over fresh instances of :data:`PIPELINE` (counters at zero)."""
-    return PassManager([cls() for cls in PIPELINE])
+    """A fresh :class:`PassManager` over fresh instances of :data:`PIPELINE` (counters at zero),
+    and :class:`FuseTimeEncoding` where ``config.passes.fuse_time_encoding`` asks for it."""
+    passes = [cls() for cls in PIPELINE]
+    if default_config().passes.fuse_time_encoding != "off":
+        passes.append(FuseTimeEncoding())
+    return PassManager(passes)

@@ -123,3 +123,26 @@ def test_config_group_applies_while_running():
     assert fast._fastopt_changes == {"passes__fuse_dropout": False}
     with pytest.raises(FastOptError):
         fastopt.optimize(TemporalAttention(8, 4, 6, 8), config=3)
+
+
+@pytest.mark.parametrize("mode", ["always", "graphs"])
+def test_time_encoding_fusion_by_config(mode):
+    """passes.fuse_time_encoding adds the pass; "always" runs the fused op, "graphs" only inside
+    a CUDA-graph capture (here on the CPU: the original code); outputs and gradients as eager."""
+    torch.manual_seed(0)
+    layer = TemporalAttention(4, 3, 6, 8, num_heads=2, dropout=0.0).eval()
+    fast = fastopt.optimize(layer, config={"passes": {"fuse_time_encoding": mode}})
+    assert "fuse_time_encoding" in fast.fastopt_report.passes
+    assert fast.fastopt_report.count("time_encode") == 2  # the zero-Δt query and the keys
+    assert "fuse_time_encoding" not in fastopt.optimize(layer).fastopt_report.passes
+    g = torch.Generator().manual_seed(1)
+    args = (torch.randn(5, 4, generator=g), torch.randn(5, 7, 4, generator=g),
+            torch.randn(5, 7, 3, generator=g), torch.rand(5, 7, generator=g) * 100,
+            torch.rand(5, 7, generator=g) < 0.8)
+    params = list(layer.parameters())
+    want = layer(*args)
+    got = fast(*args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    grads = zip(torch.autograd.grad(want.sum(), params), torch.autograd.grad(got.sum(), params))
+    for a, b in grads:
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
