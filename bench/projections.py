@@ -7,13 +7,14 @@ edge features 172 wide without gradient, time encoding 100 wide with gradient, k
 
 - forward: ``y = x_free @ W_free^T + b`` (172 -> 200) and ``y += x_grad @ W_grad^T`` (100 -> 200);
 - backward: ``dx_grad = dy @ W_grad`` (200 -> 100), ``dW_free = dy^T @ x_free`` with the bias
-  gradient ``dy.sum(0)`` and ``dW_grad = dy^T @ x_grad`` (reductions over the 66,000 rows).
+  gradient ``dy.sum(0)`` and ``dW_grad = dy^T @ x_grad`` (reductions over the 66,000 rows), and
+  the weight gradients the other way round (``x^T @ dy``, transposed results).
 
-Each column is the device time of the five products replayed from one CUDA graph (inputs rotated
-past the L2), median of ``--iters`` replays: ``torch`` (cuBLAS, float32, TF32 off), then
-``codegen.linear``'s kernels at ``tf32x3`` and ``ieee`` for each tile in ``--tiles``. The largest
-error of each against float64 products is reported beside it. Prints a table and writes JSON with
-the date, GPU, versions, commit and command::
+Each product is timed on its own: device time of ``--reps`` calls replayed from one CUDA graph
+(inputs rotated past the L2), median of ``--iters`` replays, for ``torch`` (cuBLAS, float32,
+TF32 off) and ``codegen``'s matmul kernels at ``tf32x3`` and ``ieee`` for each tile in
+``--tiles``; the largest error against float64 products is reported beside each. Prints a table
+and writes JSON with the date, GPU, versions, commit and command::
 
     python bench/projections.py --json bench/results/projections-h200.json
 """
@@ -21,6 +22,7 @@ the date, GPU, versions, commit and command::
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import torch
@@ -30,12 +32,6 @@ from _meta import write_record
 from fastopt.codegen import kernels as codegen_kernels
 from kernels import GraphTimer
 
-
-
-def products(rows: int) -> list:
-    """``(name, M, K, N)`` of each product ``[M, K] @ [K, N]`` at ``rows`` batch rows."""
-    return [("fwd_free", rows, 172, 200), ("fwd_grad", rows, 100, 200), ("bwd_dx", rows, 200, 100),
-            ("bwd_dw_free", 200, rows, 172), ("bwd_dw_grad", 200, rows, 100)]
 
 
 def _operands(rows: int, edge: int, time: int, width: int, seed: int, device):
@@ -48,13 +44,18 @@ def _operands(rows: int, edge: int, time: int, width: int, seed: int, device):
                 w_grad=randn(width, time), bias=randn(width), dy=randn(rows, width))
 
 
-def _products(mm, ops) -> list:
-    y = mm(ops["x_free"], ops["w_free"].t(), bias=ops["bias"])
-    y = mm(ops["x_grad"], ops["w_grad"].t(), residual=y)
-    dx = mm(ops["dy"], ops["w_grad"])
-    dw_free, dbias = mm(ops["dy"].t(), ops["x_free"], row_sums=True)
-    dw_grad = mm(ops["dy"].t(), ops["x_grad"])
-    return [y, dx, dw_free, dbias, dw_grad]
+# name -> the product on operands ``o`` with a matmul ``mm(a, b, bias=, residual=, row_sums=)``.
+# "dw_*_t" are the weight gradients computed transposed (x^T @ dy), the other orientation of the
+# same reduction over the batch rows.
+PRODUCTS = {
+    "fwd_free": lambda mm, o: mm(o["x_free"], o["w_free"].t(), bias=o["bias"]),
+    "fwd_grad": lambda mm, o: mm(o["x_grad"], o["w_grad"].t(), residual=o["dy"]),
+    "bwd_dx": lambda mm, o: mm(o["dy"], o["w_grad"]),
+    "bwd_dw_free": lambda mm, o: mm(o["dy"].t(), o["x_free"], row_sums=True),
+    "bwd_dw_grad": lambda mm, o: mm(o["dy"].t(), o["x_grad"]),
+    "bwd_dw_free_t": lambda mm, o: mm(o["x_free"].t(), o["dy"]),
+    "bwd_dw_grad_t": lambda mm, o: mm(o["x_grad"].t(), o["dy"]),
+}
 
 
 def _torch_mm(a, b, bias=None, residual=None, row_sums=False):
@@ -64,8 +65,13 @@ def _torch_mm(a, b, bias=None, residual=None, row_sums=False):
     return (out, a.sum(1)) if row_sums else out
 
 
-def _max_rel_error(got: list, want: list) -> float:
-    return max(float((g.double() - w).abs().max() / w.abs().max()) for g, w in zip(got, want))
+def _flat(result) -> list:
+    return list(result) if isinstance(result, tuple) else [result]
+
+
+def _max_rel_error(got, want) -> float:
+    return max(float((g.double() - w).abs().max() / w.abs().max())
+               for g, w in zip(_flat(got), _flat(want)))
 
 
 def main(argv=None) -> int:
@@ -85,35 +91,37 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device("cuda")
     sets = [_operands(args.rows, 172, 100, 200, seed, device) for seed in range(3)]
-    want = [[t.double() for t in _products(_torch_mm, {k: v.double() for k, v in s.items()})]
-            for s in sets[:1]][0]
+    doubles = {k: v.double() for k, v in sets[0].items()}
     timer = GraphTimer(args.warmup, args.iters, args.reps)
-    rows = [{"impl": "torch", "ms": timer(lambda i: _products(_torch_mm, sets[i]), len(sets)),
-             "max_rel_error": _max_rel_error(_products(_torch_mm, sets[0]), want)}]
+    impls = {"torch": (_torch_mm, {})}
     for tile in args.tiles:
         bm, bn, bk, warps = (int(v) for v in tile.split(","))
         knobs = dict(kernels__matmul_block_m=bm, kernels__matmul_block_n=bn,
                      kernels__matmul_block_k=bk, kernels__matmul_warps=warps)
         for precision in ("tf32x3", "ieee"):
-            def mm(a, b, bias=None, residual=None, row_sums=False):
-                return codegen_kernels.matmul(a, b, bias=bias, residual=residual,
-                                              precision=precision, row_sums=row_sums)
-            row = {"impl": f"{precision} {tile}", "tile": tile, "precision": precision}
+            impls[f"{precision} {tile}"] = (functools.partial(codegen_kernels.matmul,
+                                                              precision=precision), knobs)
+    rows = []
+    for name, product in PRODUCTS.items():
+        want = product(_torch_mm, doubles)
+        row = {"product": name}
+        for label, (mm, knobs) in impls.items():
             try:
                 with fconfig.patch(**knobs):
-                    row["ms"] = timer(lambda i: _products(mm, sets[i]), len(sets))
-                    row["max_rel_error"] = _max_rel_error(_products(mm, sets[0]), want)
-            except Exception as exc:  # noqa: BLE001 - a tile that fails is reported, not fatal
-                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            rows.append(row)
-    print(f"{'implementation':>24} {'ms (5 products)':>16} {'max rel error':>14}")
+                    row[label] = {"ms": timer(lambda i: product(mm, sets[i]), len(sets)),
+                                  "max_rel_error": _max_rel_error(product(mm, sets[0]), want)}
+            except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                row[label] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        rows.append(row)
+    labels = list(impls)
+    print(f"{'product':>14} " + " ".join(f"{label:>20}" for label in labels))
     for r in rows:
-        ms = f"{r['ms']:16.4f}" if "ms" in r else f"{'-':>16}"
-        err = f"{r['max_rel_error']:14.2e}" if "max_rel_error" in r else r.get("error", "")
-        print(f"{r['impl']:>24} {ms} {err}")
+        cells = [f"{r[label]['ms']:9.4f} ({r[label]['max_rel_error']:.0e})" if "ms" in r[label]
+                 else "failed" for label in labels]
+        print(f"{r['product']:>14} " + " ".join(f"{c:>20}" for c in cells))
+    print("ms per product (graph replay), largest error against float64 in parentheses")
     if args.json:
-        write_record(args.json, products=[dict(zip(("name", "M", "K", "N"), p))
-                                          for p in products(args.rows)],
+        write_record(args.json, rows=args.rows,
                      timing=f"graph replay of {args.reps} calls, median of {args.iters}",
                      results=rows)
     return 0
