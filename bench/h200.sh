@@ -21,7 +21,7 @@ STEPS=${STEPS:-tests kernels optimize}
 [ -n "${PROFILE:-}" ] && tar czf "$OUT/profiles.tar.gz" -C /tmp profiles
 [[ " $STEPS " == *" breakdown "* ]] && timeout "${BREAKDOWN_S:-90}" python3 bench/step_breakdown.py \
     --json "$OUT/breakdown.json" > "$OUT/breakdown.log" 2>&1
-[[ " $STEPS " == *" projections "* ]] && timeout "${PROJECTIONS_S:-150}" python3 bench/projections.py \
+[[ " $STEPS " == *" projections "* ]] && timeout "${PROJECTIONS_S:-240}" python3 bench/projections.py \
     --json "$OUT/projections.json" > "$OUT/projections.log" 2>&1
 [ -f "$OUT/kernels.log" ] && { grep -A30 "graph replay" "$OUT/kernels.log" | grep -v mapping
                                grep -B1 -A12 "copy bandwidth" "$OUT/kernels.log" | head -8; }
