@@ -134,7 +134,7 @@ class PassesConfig:
     # Linears of one concatenated input (keys and values): one product of their stacked weights
     merge_sibling_linears: bool = True
     # cos(Linear(1, T)(dt)) as one fused op: "off", "graphs" (inside captured CUDA graphs only,
-    # where its launch costs no host time) or "always"
+    # where its launch costs no host time) or "always"; read when fastopt.optimize runs
     fuse_time_encoding: str = "off"
 
 

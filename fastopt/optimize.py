@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Union
 
 from torch import nn
@@ -61,7 +62,8 @@ def optimize(model: nn.Module, *, config: Union[str, Config, dict, None] = "auto
                          f"wrap the function in an nn.Module")
     cfg = _resolve_config(config)
     changes = _changes(cfg)
-    with patch(**changes):  # the passes read the configuration too (fuse_time_encoding)
+    # the passes read the configuration too (fuse_time_encoding, decided when optimizing)
+    with patch(**changes) if changes else contextlib.nullcontext():
         optimized, report = optimize_module(model, verify=verify, changes=changes)
     object.__setattr__(optimized, "fastopt_report", report)
     return optimized

@@ -60,6 +60,7 @@ from fastopt.errors import TraceError
 from fastopt.passes.report import GraphCapture
 
 __all__ = [
+    "capturing",
     "GraphRunner",
     "GraphedForward",
     "attach_graph_runners",
@@ -76,6 +77,13 @@ WARMUP_CALLS = 2
 
 _PLAIN = (Tensor, nn.Parameter)
 _LOCAL = threading.local()  # .depth: warm-ups/captures in progress on this thread
+
+
+def capturing() -> bool:
+    """Whether this thread's work is being captured into a CUDA graph: by a graph runner (its
+    warm-ups included, so that what the capture launches is compiled and loaded before it) or
+    by any capture on the current stream."""
+    return getattr(_LOCAL, "depth", 0) > 0 or torch.cuda.is_current_stream_capturing()
 
 
 class Uncapturable(Exception):

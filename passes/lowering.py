@@ -32,10 +32,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from fastopt import codegen
 from fastopt.config import default_config
+from fastopt.passes import graphs
 
 __all__ = [
     "AttentionLayout",
@@ -530,8 +530,7 @@ def fused_time_encode(dt: Tensor, linear: torch.nn.Linear, *, site: str = "") ->
     while a CUDA graph is being captured (``config.passes.fuse_time_encoding``)."""
     w = linear.weight
     mode = default_config().passes.fuse_time_encoding
-    fuse = mode == "always" or (mode == "graphs" and dt.is_cuda
-                                and torch.cuda.is_current_stream_capturing())
+    fuse = mode == "always" or (mode == "graphs" and dt.is_cuda and graphs.capturing())
     if fuse and dt.dtype == w.dtype and w.shape[1] == 1 and dt.is_floating_point():
         b = linear.bias if linear.bias is not None else w.new_zeros(w.shape[0])
         _record(site, (w.shape[0],))
@@ -631,20 +630,22 @@ def column_blocks(y: Tensor, widths: Sequence[int]) -> Tuple[Tensor, ...]:
     return _ColumnBlocks.apply(y, tuple(widths))
 
 
-def adjacent_blocks(grads: Sequence[Optional[Tensor]], like: Tensor,
+def adjacent_blocks(grads: Sequence[Optional[Tensor]], shape: Sequence[int],
+                    stride: Sequence[int], dtype: torch.dtype,
                     widths: Sequence[int]) -> Optional[Tensor]:
-    """The tensor shaped and strided as ``like`` whose column blocks of ``widths`` are ``grads``,
-    if they already are exactly that (same storage, adjacent offsets, ``like``'s strides); else
-    None."""
-    if any(g is None for g in grads) or like.stride(-1) != 1:
+    """The tensor of ``shape`` and ``stride`` whose column blocks of ``widths`` are ``grads``, if
+    they already are exactly that (one storage, adjacent offsets, the same strides wherever a
+    dimension has more than one element, no lazy conjugation or negation); else None."""
+    if any(g is None for g in grads) or stride[-1] != 1:
         return None
     first = grads[0]
     offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
     for g, start in zip(grads, itertools.accumulate([0, *widths[:-1]])):
-        if (g.untyped_storage().data_ptr() != storage or g.stride() != like.stride()
-                or g.storage_offset() != offset + start or g.dtype != like.dtype):
+        if (g.untyped_storage().data_ptr() != storage or g.dtype != dtype or g.is_conj()
+                or g.is_neg() or g.storage_offset() != offset + start
+                or any(n > 1 and s != t for n, s, t in zip(g.shape, g.stride(), stride))):
             return None
-    return first.as_strided(like.shape, like.stride(), offset)
+    return first.as_strided(shape, stride, offset)
 
 
 class _ColumnBlocks(torch.autograd.Function):
@@ -653,16 +654,18 @@ class _ColumnBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, widths):
         ctx.widths = widths
-        ctx.save_for_backward(y)
+        ctx.layout = (tuple(y.shape), tuple(y.stride()), y.dtype, y.device)
         return tuple(y.split(list(widths), dim=-1))
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grads):
-        (y,) = ctx.saved_tensors
-        whole = adjacent_blocks(grads, y, ctx.widths)
+        shape, stride, dtype, device = ctx.layout
+        whole = None
+        if not torch.is_grad_enabled():  # the shortcut is not differentiable (create_graph=True)
+            whole = adjacent_blocks(grads, shape, stride, dtype, ctx.widths)
         if whole is None:
-            whole = torch.cat([g if g is not None else y.new_zeros(*y.shape[:-1], w)
+            whole = torch.cat([g if g is not None else
+                               torch.zeros(*shape[:-1], w, dtype=dtype, device=device)
                                for g, w in zip(grads, ctx.widths)], dim=-1)
         return whole, None
 

@@ -475,3 +475,17 @@ def test_dropout_masks_differ_between_replays():
         first, second = fast(inputs), fast(inputs)
         torch.testing.assert_close(first, model.eval()(inputs), rtol=1e-4, atol=1e-5)
     assert torch.equal(first, second)
+
+
+def test_capturing_covers_a_runners_warm_ups():
+    """What a capture will launch must also run in its warm-ups (compiled and loaded outside
+    the capture): code that switches on graphs.capturing() sees the warm-ups as captured."""
+    from fastopt.passes import graphs
+
+    assert not graphs.capturing()
+    graphs._LOCAL.depth = getattr(graphs._LOCAL, "depth", 0) + 1
+    try:
+        assert graphs.capturing()
+    finally:
+        graphs._LOCAL.depth -= 1
+    assert not graphs.capturing()

@@ -495,11 +495,29 @@ def test_column_blocks_backward_is_splits():
     k, v = lowering.column_blocks(y, (6, 4))
     whole = torch.randn(3, 4, 10)
     gk, gv = whole.split((6, 4), -1)
-    assert lowering.adjacent_blocks([gk, gv], y, (6, 4)).data_ptr() == whole.data_ptr()
-    assert lowering.adjacent_blocks([gv, gk], y, (4, 6)) is None
-    assert lowering.adjacent_blocks([gk.clone(), gv], y, (6, 4)) is None
+    layout = (y.shape, y.stride(), y.dtype)
+    assert lowering.adjacent_blocks([gk, gv], *layout, (6, 4)).data_ptr() == whole.data_ptr()
+    assert lowering.adjacent_blocks([gv, gk], *layout, (4, 6)) is None
+    assert lowering.adjacent_blocks([gk.clone(), gv], *layout, (6, 4)) is None
+    assert lowering.adjacent_blocks([gk, gv.neg()], *layout, (6, 4)) is None
+    one_row = torch.randn(3, 1, 10)  # a size-1 dimension's stride does not matter
+    assert lowering.adjacent_blocks(list(one_row.split((6, 4), -1)), (3, 1, 10), (10, 7, 1),
+                                    torch.float32, (6, 4)) is not None
     for grads in ((gk, gv), (gk.clone(), gv.clone()), (gk, None)):
         outs, used = zip(*[(o, g) for o, g in zip((k, v), grads) if g is not None])
         (got,) = torch.autograd.grad(outs, y, used, retain_graph=True)
         (want,) = torch.autograd.grad([o for o in y.split((6, 4), -1)][:len(used)], y, used)
         assert torch.equal(got, want)
+
+
+def test_column_blocks_twice_differentiable():
+    """create_graph=True: the blocks' backward is itself differentiable (torch.split's is)."""
+    y = torch.randn(3, 10, dtype=torch.float64, requires_grad=True)
+
+    def second_derivative(blocks):
+        k, v = blocks
+        (g,) = torch.autograd.grad((k.sin().sum(1) * v.cos().sum(1)).sum(), y, create_graph=True)
+        return torch.autograd.grad(g.square().sum(), y)[0]
+
+    torch.testing.assert_close(second_derivative(lowering.column_blocks(y, (6, 4))),
+                               second_derivative(y.split((6, 4), -1)))
