@@ -83,7 +83,9 @@ def capturing() -> bool:
     """Whether this thread's work is being captured into a CUDA graph: by a graph runner (its
     warm-ups included, so that what the capture launches is compiled and loaded before it) or
     by any capture on the current stream."""
-    return getattr(_LOCAL, "depth", 0) > 0 or torch.cuda.is_current_stream_capturing()
+    if getattr(_LOCAL, "depth", 0) > 0:
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class Uncapturable(Exception):
