@@ -386,8 +386,8 @@ class _Graphs:
                  static_outputs: List[Tensor], differentiable: List[bool], bwd,
                  static_grad_outputs: List[Tensor], grad_groups: list, surface_size: int) -> None:
         self.static_inputs = static_inputs
-        self.input_groups = _same_kind_groups(static_inputs)
-        self.grad_output_groups = _same_kind_groups(static_grad_outputs)
+        self.input_groups = _copy_groups(static_inputs)
+        self.grad_output_groups = _copy_groups(static_grad_outputs)
         self.params = params
         self.fwd, self.bwd = fwd, bwd
         self.out_spec = out_spec
@@ -507,20 +507,24 @@ class _Graphs:
         return unflatten(self.out_spec, list(outs))
 
 
-def _same_kind_groups(tensors: Sequence[Tensor]) -> List[Tuple[List[Tensor], List[int]]]:
-    """``tensors`` with elements, split by dtype and device: ``(members, positions)`` per kind.
+def _by_kind(tensors: Sequence[Optional[Tensor]]) -> List[Tuple[List[Tensor], List[int]]]:
+    """``tensors`` (None skipped) split by dtype and device: ``(members, positions)`` per kind.
 
     ``torch._foreach_copy_`` runs one fused copy kernel per call only when every tensor of both
     lists has one dtype; a mixed list falls back to one copy (and one launch) per tensor.
     """
     by_kind: Dict[tuple, Tuple[List[Tensor], List[int]]] = {}
     for i, t in enumerate(tensors):
-        if t.numel() == 0:  # nothing to copy
-            continue
-        members, positions = by_kind.setdefault((t.dtype, t.device), ([], []))
-        members.append(t)
-        positions.append(i)
+        if t is not None:
+            members, positions = by_kind.setdefault((t.dtype, t.device), ([], []))
+            members.append(t)
+            positions.append(i)
     return list(by_kind.values())
+
+
+def _copy_groups(tensors: Sequence[Tensor]) -> List[Tuple[List[Tensor], List[int]]]:
+    """:func:`_by_kind` of the tensors with elements (an empty one has nothing to copy)."""
+    return _by_kind([t if t.numel() else None for t in tensors])
 
 
 def _copy_grouped(static: Sequence[Tensor], fresh: Sequence[Tensor], groups) -> None:
@@ -531,15 +535,11 @@ def _copy_grouped(static: Sequence[Tensor], fresh: Sequence[Tensor], groups) -> 
 
 def _flat_groups(grads: Sequence[Optional[Tensor]]) -> list:
     """Inside the backward capture: the gradients concatenated into one buffer per dtype/device."""
-    by_kind: Dict[tuple, list] = {}
-    for i, g in enumerate(grads):
-        if g is not None:
-            by_kind.setdefault((g.dtype, g.device), []).append((i, g))
     groups = []
-    for members in by_kind.values():
-        flat = torch.cat([g.reshape(-1) for _, g in members])
+    for members, positions in _by_kind(grads):
+        flat = torch.cat([g.reshape(-1) for g in members])
         layout, offset = [], 0
-        for i, g in members:
+        for i, g in zip(positions, members):
             layout.append((i, offset, tuple(g.shape)))
             offset += g.numel()
         groups.append((flat, layout))

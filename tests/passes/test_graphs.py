@@ -489,3 +489,18 @@ def test_capturing_covers_a_runners_warm_ups():
     finally:
         graphs._LOCAL.depth -= 1
     assert not graphs.capturing()
+
+
+def test_tensors_grouped_by_kind_for_copies_and_gradient_buffers():
+    """Input copies skip empty tensors and group by dtype (one fused copy each); the backward's
+    flat gradient buffers keep every gradient, empty ones included, at its position."""
+    from fastopt.passes import graphs
+
+    a, b = torch.randn(2, 3), torch.zeros(4, dtype=torch.int64)
+    empty, d = torch.randn(0, 5), torch.randn(5)
+    assert [(len(m), p) for m, p in graphs._copy_groups([a, b, empty, d])] == [(2, [0, 3]),
+                                                                            (1, [1])]
+    groups = graphs._flat_groups([a, None, empty, d, b])
+    assert [layout for _, layout in groups] == [[(0, 0, (2, 3)), (2, 6, (0, 5)), (3, 6, (5,))],
+                                                [(4, 0, (4,))]]
+    assert torch.equal(groups[0][0], torch.cat([a.reshape(-1), d]))
