@@ -536,11 +536,18 @@ def linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None,
 
     Returns:
         ``[M, N]``.
+
+    Raises:
+        KernelError: ``x`` and ``w`` are not matrices of one inner width.
     """
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise KernelError(
+            f"linear needs x [M, K] and w [N, K]; got x {tuple(x.shape)} and w {tuple(w.shape)}. "
+            f"Flatten x's leading dimensions (x.reshape(-1, x.shape[-1])) and pass w as "
+            f"nn.Linear stores it ([out_features, in_features])")
     precision = default_config().kernels.matmul_precision
     tensors = (x, w, bias, residual)
-    if precision != "off" and x.dim() == 2 and w.dim() == 2 and \
-            (bias is None or bias.shape == (w.shape[0],)) and \
+    if precision != "off" and (bias is None or bias.shape == (w.shape[0],)) and \
             (residual is None or residual.shape == (x.shape[0], w.shape[0])) and \
             all(t is None or t.dtype == torch.float32 for t in tensors) and \
             not torch.is_autocast_enabled(x.device.type) and _eager_kernels(*tensors):

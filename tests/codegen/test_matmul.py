@@ -9,7 +9,7 @@ import fastopt.codegen as cg
 import fastopt.config as fconfig
 from codegen_inputs import rel_error
 from fastopt.codegen import kernels
-from fastopt.errors import ConfigError
+from fastopt.errors import ConfigError, KernelError
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
 
@@ -141,3 +141,10 @@ def test_linear_with_a_strided_bias_or_broadcast_residual(device):
         torch.testing.assert_close(cg.linear(x, w, wide[:, 1]), torch.addmm(wide[:, 1], x, w.t()))
         torch.testing.assert_close(cg.linear(x, w, residual=wide[:, 2]),
                                    torch.addmm(wide[:, 2], x, w.t()))
+
+
+@pytest.mark.parametrize("x, w", [(torch.zeros(4, 5), torch.zeros(3, 6)),
+                                  (torch.zeros(2, 4, 5), torch.zeros(3, 5))])
+def test_linear_names_shapes_that_do_not_fit(x, w):
+    with pytest.raises(KernelError, match=r"x \[M, K\] and w \[N, K\]; got x"):
+        cg.linear(x, w)
