@@ -12,7 +12,8 @@ edge features 172 wide without gradient, time encoding 100 wide with gradient, k
 
 Each product is timed on its own: device time of ``--reps`` calls replayed from one CUDA graph
 (inputs rotated past the L2), median of ``--iters`` replays, for ``torch`` (cuBLAS, float32,
-TF32 off) and ``codegen``'s matmul kernels at ``tf32x3`` and ``ieee`` for each tile in
+TF32 off), ``torch tf32`` (cuBLAS, TF32 on: one rounded pass, for scale) and ``codegen``'s
+matmul kernels at ``tf32x3`` and ``ieee`` for each tile in
 ``--tiles``; the largest error against float64 products is reported beside each. Prints a table
 and writes JSON with the date, GPU, versions, commit and command::
 
@@ -65,6 +66,15 @@ def _torch_mm(a, b, bias=None, residual=None, row_sums=False):
     return (out, a.sum(1)) if row_sums else out
 
 
+def _torch_tf32_mm(*args, **kwargs):
+    # cuBLAS on TensorFloat-32 tensor cores: the speed a single rounded pass reaches (less accurate)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        return _torch_mm(*args, **kwargs)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def _flat(result) -> list:
     return list(result) if isinstance(result, tuple) else [result]
 
@@ -93,7 +103,7 @@ def main(argv=None) -> int:
     sets = [_operands(args.rows, 172, 100, 200, seed, device) for seed in range(3)]
     doubles = {k: v.double() for k, v in sets[0].items()}
     timer = GraphTimer(args.warmup, args.iters, args.reps)
-    impls = {"torch": (_torch_mm, {})}
+    impls = {"torch": (_torch_mm, {}), "torch tf32": (_torch_tf32_mm, {})}
     for tile in args.tiles:
         bm, bn, bk, warps = (int(v) for v in tile.split(","))
         knobs = dict(kernels__matmul_block_m=bm, kernels__matmul_block_n=bn,

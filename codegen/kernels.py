@@ -532,6 +532,20 @@ def _matmul_kernel(device: torch.device, tile: Tuple[int, int, int, int],
     return hit
 
 
+class _Strides(tuple):
+    """Element strides of a product's operands (A, B, C, the residual) by name, hashable."""
+
+    am, ak, bk, bn, cm, cn, rm, rn = (property(lambda self, i=i: self[i]) for i in range(8))
+
+
+def _strides(a: Tensor, b: Tensor, out: Optional[Tensor] = None,
+             res: Optional[Tensor] = None) -> _Strides:
+    # a split product writes contiguous partials and reads no residual: those strides are unused
+    c = out.stride() if out is not None else (0, 0)
+    r = res.stride() if res is not None else (0, 0)
+    return _Strides((*a.stride(), *b.stride(), *c, *r))
+
+
 def _splits(tiles: int, depth: int, block_k: int, device: torch.device) -> int:
     """K spans for a product of ``tiles`` C tiles over ``depth`` rows of K: enough programs for
     two per multiprocessor, each span at least four K slices deep."""
@@ -569,10 +583,9 @@ def matmul(a: Tensor, b: Tensor, *, bias: Optional[Tensor] = None,
     if splits > 1:
         part = _empty((splits, rows, cols), torch.float32, a.device)
         kernel = _matmul_kernel(a.device, tile, precision=precision, split=True, residual=False,
-                                bias=False, row_sums=row_sums)
+                                bias=False, row_sums=row_sums, strides=_strides(a, b))
         kernel.fn[(tiles[0], tiles[1], splits)](
-            a, b, part, part, part, sums, rows, cols, depth, a.stride(0), a.stride(1),
-            b.stride(0), b.stride(1), 0, 0, 0, 0, span, num_warps=kernel.cfg.num_warps,
+            a, b, part, part, part, sums, rows, cols, depth, span, num_warps=kernel.cfg.num_warps,
             num_stages=kernel.cfg.num_stages)
         torch.sum(part, 0, out=out)
         if residual is not None:
@@ -580,13 +593,11 @@ def matmul(a: Tensor, b: Tensor, *, bias: Optional[Tensor] = None,
         if bias is not None:
             out += bias
     else:
+        res = residual if residual is not None else out
         kernel = _matmul_kernel(a.device, tile, precision=precision, split=False,
                                 residual=residual is not None, bias=bias is not None,
-                                row_sums=row_sums)
-        res = residual if residual is not None else out
+                                row_sums=row_sums, strides=_strides(a, b, out, res))
         kernel.fn[(tiles[0], tiles[1], 1)](
-            a, b, out, res, bias if bias is not None else out, sums, rows, cols, depth,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-            res.stride(0), res.stride(1), depth, num_warps=kernel.cfg.num_warps,
-            num_stages=kernel.cfg.num_stages)
+            a, b, out, res, bias if bias is not None else out, sums, rows, cols, depth, depth,
+            num_warps=kernel.cfg.num_warps, num_stages=kernel.cfg.num_stages)
     return (out, sums.sum(0)) if row_sums else out
