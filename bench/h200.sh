@@ -2,7 +2,8 @@
 # One device call that installs fastopt and records the GPU benchmarks and tests:
 #   FASTOPT_GIT_COMMIT=<commit> OUT=<dir> bash bench/h200.sh
 # Logs and JSON go to $OUT (gputests.log, kernels.*, optimize.*); each step has its own time limit
-# (TESTS_S, KERNELS_S, OPTIMIZE_S seconds) so that a slow step cannot take the others' results
+# (TESTS_S, KERNELS_S, OPTIMIZE_S seconds; MAPPINGS: the thread mappings bench/kernels.py also times)
+# so that a slow step cannot take the others' results
 # with it. The GPU tests compile every kernel variant they cover: give them minutes. PROFILE=1 also
 # writes torch.profiler tables of the eager and fastopt steps (profiles.tar.gz). STEPS picks the steps
 # (default "tests kernels optimize"; also "breakdown" (bench/step_breakdown.py) and "projections"
@@ -15,7 +16,7 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . >> "$OUT/env.log" 
 STEPS=${STEPS:-tests kernels optimize}
 [[ " $STEPS " == *" tests "* ]] && timeout "${TESTS_S:-300}" python3 -m pytest -q -m gpu tests -p no:cacheprovider -ra > "$OUT/gputests.log" 2>&1
 [[ " $STEPS " == *" kernels "* ]] && timeout "${KERNELS_S:-170}" python3 bench/kernels.py --rows 18000 36000 --iters 20 --warmup 3 \
-    --json "$OUT/kernels.json" --mappings rows_per_program=2 rows_per_program=4 block_m=2,num_warps=2 > "$OUT/kernels.log" 2>&1
+    --json "$OUT/kernels.json" --mappings ${MAPPINGS:-attention_softmax=two_pass rows_per_program=2 attention_softmax=two_pass,rows_per_program=2 num_warps=2} > "$OUT/kernels.log" 2>&1
 [[ " $STEPS " == *" optimize "* ]] && timeout "${OPTIMIZE_S:-240}" python3 bench/optimize.py --models tgat,tgn --iters 30 --warmup 5 \
     --json "$OUT/optimize.json" ${PROFILE:+--profile /tmp/profiles} > "$OUT/optimize.log" 2>&1
 [ -n "${PROFILE:-}" ] && tar czf "$OUT/profiles.tar.gz" -C /tmp profiles

@@ -167,13 +167,19 @@ def _time_args(time: Optional[Tuple[Tensor, ...]]) -> Tuple[Tensor, ...]:
     return tuple(time) if time is not None else ()
 
 
+def _forward_softmax() -> str:
+    # "two_pass" takes effect where the template unrolls the slots (K * heads per program <= 32)
+    choice = default_config().kernels.attention_softmax
+    return "online" if choice == "auto" else choice
+
+
 def _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p, seed,
                        time: Optional[Tuple[Tensor, ...]]) -> Tuple[Tensor, Tensor]:
     rows, heads, dim = q.shape
     spec = _attention_spec(q, k, v, mask, indptr, k_index, v_index, dropout_p,
                            time[1].shape[0] if time is not None else 0, "forward", seed)
     kernel = _kernel("temporal_attention", q.device, (spec["K"], heads, dim),
-                     backward_mode="", write_coef=False, **spec)
+                     backward_mode="", write_coef=False, softmax=_forward_softmax(), **spec)
     out = _empty_like(q)
     lse = _empty((rows, heads), _acc_dtype(q.dtype), q.device)
     mask_arg, indptr_arg = _mask_arg(mask, indptr, q)

@@ -100,6 +100,9 @@ class KernelsConfig:
     # L2 hint of attention's table-row gathers: "evict_last" keeps gathered key/value rows in L2
     # (streamed queries, indices and outputs get "evict_first"), "none" gives no hint, "auto" = heuristic
     gather_eviction: str = "auto"
+    # attention forward's edge softmax: "online" (running maximum, rescaled per neighbor slot),
+    # "two_pass" (all slots' scores, then one maximum; where the slots are unrolled) or "auto"
+    attention_softmax: str = "auto"
     # projections rewritten by the passes (split/merged Linears): "off" (cuBLAS through torch),
     # "tf32x3" (generated matmuls on tensor cores, about float32 accuracy) or "ieee" (generated, float32 FMA)
     matmul_precision: str = "off"
@@ -135,7 +138,7 @@ class PassesConfig:
     merge_sibling_linears: bool = True
     # cos(Linear(1, T)(dt)) as one fused op: "off", "graphs" (inside captured CUDA graphs only,
     # where its launch costs no host time) or "always"; read when fastopt.optimize runs
-    fuse_time_encoding: str = "off"
+    fuse_time_encoding: str = "graphs"
 
 
 @dataclass
@@ -246,6 +249,9 @@ class Config:
                self.kernels.backward_mode, "'deterministic' or 'atomic'")
         _check(self.kernels.gather_eviction in ("auto", "none", "evict_last"), "kernels.gather_eviction",
                self.kernels.gather_eviction, "one of 'auto', 'none', 'evict_last'")
+        _check(self.kernels.attention_softmax in ("auto", "online", "two_pass"),
+               "kernels.attention_softmax", self.kernels.attention_softmax,
+               "one of 'auto', 'online', 'two_pass'")
         _check(self.kernels.matmul_precision in ("off", "tf32x3", "ieee"), "kernels.matmul_precision",
                self.kernels.matmul_precision, "one of 'off', 'tf32x3', 'ieee'")
         _check(self.kernels.backend in ("auto", "triton", "reference"), "kernels.backend",

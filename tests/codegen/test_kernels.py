@@ -78,6 +78,22 @@ def test_temporal_attention_matches_reference(case, device):
         assert torch.all(out[0] == 0), "a row without valid neighbors must give zeros"
 
 
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_two_pass_softmax_matches_reference(case, device):
+    """The forward's softmax in two passes over unrolled slots: same results and dropout mask
+    (cases above 32 slot-heads keep the online softmax of the slot loop)."""
+    tensors, kwargs = _attention_inputs(case, device)
+    kwargs.update(dropout_p=case[7], seed=11)
+    with fconfig.patch(kernels__backward_mode=case[8], kernels__attention_softmax="two_pass"):
+        out, _ = _check_against_reference(cg.temporal_attention, reference.temporal_attention,
+                                          tensors, kwargs)
+    with fconfig.patch(kernels__attention_softmax="online"):
+        online = cg.temporal_attention(*tensors, **kwargs)
+    assert rel_error(out, online) < TOL, "two passes and the online softmax disagree"
+    if "mask" in kwargs or "indptr" in kwargs:
+        assert torch.all(out[0] == 0), "a row without valid neighbors must give zeros"
+
+
 def test_forward_saves_log_sum_exp(device):
     tensors, kwargs = _attention_inputs(ATTENTION_CASES[1], device)
     out, lse = torch.ops.fastopt.temporal_attention(*tensors, None, kwargs["indptr"],
@@ -105,8 +121,8 @@ def test_time_encoded_attention_matches_reference(device):
     k_proj = randn(width, heads, dim, generator=gen, device=device, scale=0.3)
     v_proj = randn(width, heads, dim, generator=gen, device=device, scale=0.3)
     kwargs.update(dropout_p=0.2, seed=5)
-    for mode in ("deterministic", "atomic"):
-        with fconfig.patch(kernels__backward_mode=mode):
+    for mode, softmax in (("deterministic", "online"), ("atomic", "two_pass")):
+        with fconfig.patch(kernels__backward_mode=mode, kernels__attention_softmax=softmax):
             _check_against_reference(cg.time_encoded_attention,
                                      reference.time_encoded_attention,
                                      (q, k, v, dt, time_w, time_b, k_proj, v_proj), kwargs)
@@ -222,8 +238,10 @@ def test_gradcheck_through_kernels(device):
     dict(kernels__block_m=2, kernels__rows_per_program=3, kernels__heads_per_program=2),
     dict(kernels__block_m=1),
     dict(kernels__gather_eviction="evict_last"),
+    dict(kernels__attention_softmax="two_pass", kernels__heads_per_program=2,
+         kernels__rows_per_program=2, kernels__block_m=2),
 ], ids=["one-head-per-program", "head-pairs-three-rows", "two-rows-k-blocks-of-4",
-        "row-tiles-of-2-three-per-program", "one-row-tiles", "l2-hints"])
+        "row-tiles-of-2-three-per-program", "one-row-tiles", "l2-hints", "two-pass-head-pairs"])
 def test_thread_mappings_agree(knobs, device):
     """Split heads, several rows per program and several slot blocks give the same results."""
     case = (7, 10, 4, 50, "mask", "indexed", "indexed", 0.2, "deterministic")
