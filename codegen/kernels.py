@@ -105,7 +105,8 @@ def _kernel(family: str, device: torch.device, problem: Tuple[int, int, int],
                                row_tiles=family in _ROW_TILED_FAMILIES)
         source = render(family, rows=cfg.rows_per_program, block_m=cfg.block_m, block_k=cfg.block_k,
                         block_d=cfg.block_d, block_h=min(cfg.heads_per_program, problem[1]),
-                        gather_eviction=cfg.gather_eviction, **derive(cfg), **spec)
+                        num_warps=cfg.num_warps, gather_eviction=cfg.gather_eviction,
+                        **derive(cfg), **spec)
         fn = kernel_cache().load(CacheKey.build(family, source, cfg, device), source)
         hit = _SPECIALIZED[key] = _Specialized(fn, cfg)
     return hit
@@ -167,19 +168,14 @@ def _time_args(time: Optional[Tuple[Tensor, ...]]) -> Tuple[Tensor, ...]:
     return tuple(time) if time is not None else ()
 
 
-def _forward_softmax() -> str:
-    # "two_pass" takes effect where the template unrolls the slots (K * heads per program <= 32)
-    choice = default_config().kernels.attention_softmax
-    return "online" if choice == "auto" else choice
-
-
 def _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p, seed,
                        time: Optional[Tuple[Tensor, ...]]) -> Tuple[Tensor, Tensor]:
     rows, heads, dim = q.shape
     spec = _attention_spec(q, k, v, mask, indptr, k_index, v_index, dropout_p,
                            time[1].shape[0] if time is not None else 0, "forward", seed)
     kernel = _kernel("temporal_attention", q.device, (spec["K"], heads, dim),
-                     backward_mode="", write_coef=False, softmax=_forward_softmax(), **spec)
+                     backward_mode="", write_coef=False,
+                     softmax=default_config().kernels.attention_softmax, **spec)
     out = _empty_like(q)
     lse = _empty((rows, heads), _acc_dtype(q.dtype), q.device)
     mask_arg, indptr_arg = _mask_arg(mask, indptr, q)

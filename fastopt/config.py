@@ -102,6 +102,7 @@ class KernelsConfig:
     gather_eviction: str = "auto"
     # attention forward's edge softmax: "online" (running maximum, rescaled per neighbor slot),
     # "two_pass" (all slots' scores, then one maximum; where the slots are unrolled) or "auto"
+    # (two passes while the unrolled slots' value rows fit in about 48 registers per thread)
     attention_softmax: str = "auto"
     # projections rewritten by the passes (split/merged Linears): "off" (cuBLAS through torch),
     # "tf32x3" (generated matmuls on tensor cores, about float32 accuracy) or "ieee" (generated, float32 FMA)

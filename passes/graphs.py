@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import threading
 import weakref
 from collections import OrderedDict
@@ -122,10 +123,18 @@ def _flatten(obj: Any, leaves: List[Tensor]):
     if kind is dict:
         keys = tuple(obj)
         return ("dict", keys, tuple(_flatten(obj[k], leaves) for k in keys))
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        names = tuple(f.name for f in dataclasses.fields(obj))
+    names = _FIELD_NAMES.get(kind, False)
+    if names is False:
+        names = _FIELD_NAMES[kind] = (tuple(f.name for f in dataclasses.fields(kind))
+                                      if dataclasses.is_dataclass(kind) else None)
+    if names is not None:
         return ("dataclass", kind, names, tuple(_flatten(getattr(obj, n), leaves) for n in names))
     return ("const", kind, obj)
+
+
+# field names per argument type, None where it is no dataclass (dataclasses.fields() costs
+# microseconds a call)
+_FIELD_NAMES: Dict[type, Optional[tuple]] = {}
 
 
 def unflatten(spec: tuple, tensors: Sequence[Tensor]) -> Any:
@@ -166,7 +175,7 @@ def _unflatten(spec, it: Iterator[Tensor]):
 
 
 def _tensor_meta(t: Tensor) -> tuple:
-    return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+    return (t.shape, t.dtype, t.device, t.requires_grad)  # torch.Size: a hashable tuple
 
 
 def _config_key() -> tuple:
@@ -214,11 +223,14 @@ class _ModuleState:
             self.modules = list(module.modules())
             children = tuple(id(c) for m in self.modules for c in m._modules.values())
             self._children = children
-        return (children,
-                tuple((p.data_ptr(), p.requires_grad) for m in self.modules
-                      for p in m._parameters.values() if p is not None),
-                tuple(b.data_ptr() for m in self.modules for b in m._buffers.values()
-                      if b is not None))
+        params = [p for m in self.modules for p in m._parameters.values() if p is not None]
+        buffers = [b for m in self.modules for b in m._buffers.values() if b is not None]
+        return (children, tuple(map(_data_ptr, params)), tuple(map(_requires_grad, params)),
+                tuple(map(_data_ptr, buffers)))
+
+
+_data_ptr = Tensor.data_ptr
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 def _where_tensors_are(tensors: Sequence[Tensor]) -> Optional[str]:
@@ -497,10 +509,11 @@ class _Graphs:
     def run(self, tensors: Sequence[Tensor]) -> Any:
         with torch.no_grad():
             _copy_grouped(self.static_inputs, tensors, self.input_groups)
+        # launched first: the device runs the forward while the host builds the autograd node
+        self.fwd.replay()
+        self.redo_writes()
+        self.generation += 1
         if self.bwd is None:
-            self.fwd.replay()
-            self.redo_writes()
-            self.generation += 1
             return unflatten(self.out_spec, [o.clone() for o in self.static_outputs])
         grad_inputs = [t for t, s in zip(tensors, self.static_inputs) if s.requires_grad]
         outs = _Replay.apply(self, *grad_inputs, *self.params)
@@ -547,13 +560,11 @@ def _flat_groups(grads: Sequence[Optional[Tensor]]) -> list:
 
 
 class _Replay(torch.autograd.Function):
-    """Forward: replay the forward graph. Backward: replay the backward graph."""
+    """Forward: the outputs of the forward graph :meth:`_Graphs.run` has just replayed.
+    Backward: replay the backward graph."""
 
     @staticmethod
     def forward(ctx, graphs: _Graphs, *surface: Tensor):
-        graphs.fwd.replay()
-        graphs.redo_writes()
-        graphs.generation += 1
         token = _Backward()
         graphs._pending = weakref.ref(token)
         ctx.graphs, ctx.generation, ctx.token = graphs, graphs.generation, token
