@@ -319,6 +319,19 @@ def run_shape_graph(gtimer: GraphTimer, rows: int, slots: int, heads: int, dim: 
     return result
 
 
+def print_resources(resources: List[Dict[str, object]]) -> None:
+    """Registers and spills per thread of each compiled attention kernel and its mapping."""
+    print("compiled attention kernels (registers / spills per thread, shared bytes per program):")
+    for r in resources:
+        if r["family"] != "temporal_attention":
+            continue
+        spec, cfg = r["spec"], r["mapping"]
+        print(f"  {r['stage']:>8} K,H,d={r['shape']} softmax={spec.get('softmax', '-'):>8} "
+              f"rows={cfg['rows_per_program']} block_m={cfg['block_m']} "
+              f"warps={cfg['num_warps']}: {r['n_regs']} regs, {r['n_spills']} spills, "
+              f"{r['shared_bytes']} B shared")
+
+
 def print_graph_table(rows: List[Dict[str, object]]) -> None:
     header = ["M", "d", "fused fwd", "eager fwd", "compile fwd", "fused f+b", "atomic f+b",
               "eager f+b", "compile f+b", "x eager f+b", "x compile f+b", "fwd % copy BW"]
@@ -435,6 +448,10 @@ def main(argv=None) -> int:
     if args.profile:
         for d in args.dims:
             profile_fused(args.rows[0], args.slots, args.heads, d)
+    from fastopt.codegen import kernels as codegen_kernels
+
+    resources = codegen_kernels.compiled_resources()
+    print_resources(resources)
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(0),
@@ -450,6 +467,7 @@ def main(argv=None) -> int:
         "l2_flushed": not args.no_flush,
         "results": results,
         "graph_replay": {"calls_per_graph": args.graph_reps, "results": graph_results},
+        "compiled_kernels": resources,
     }
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

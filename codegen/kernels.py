@@ -37,6 +37,7 @@ __all__ = [
     "time_encode_backward",
     "segment_reduce",
     "render",
+    "compiled_resources",
 ]
 
 _TEMPLATES = jinja2.Environment(
@@ -110,6 +111,25 @@ def _kernel(family: str, device: torch.device, problem: Tuple[int, int, int],
         fn = kernel_cache().load(CacheKey.build(family, source, cfg, device), source)
         hit = _SPECIALIZED[key] = _Specialized(fn, cfg)
     return hit
+
+
+def compiled_resources() -> List[dict]:
+    """Registers and spills per thread and shared memory per program of every kernel this
+    process compiled (Triton's metadata), with its family, specialization and thread mapping:
+    how many programs fit a multiprocessor, and whether the unrolled loops spill. Empty under
+    the CPU interpreter, which compiles nothing."""
+    found = []
+    for key, hit in _SPECIALIZED.items():
+        spec = dict(key[-1])
+        for entry in getattr(hit.fn, "device_caches", {}).values():
+            for compiled in entry[0].values():
+                found.append(dict(
+                    family=key[0], shape=key[2], stage=spec.get("stage", ""),
+                    spec={k: v for k, v in spec.items() if isinstance(v, (int, float, str, bool))},
+                    mapping=hit.cfg.to_dict(), n_regs=getattr(compiled, "n_regs", None),
+                    n_spills=getattr(compiled, "n_spills", None),
+                    shared_bytes=getattr(getattr(compiled, "metadata", None), "shared", None)))
+    return found
 
 
 def _capability(device: torch.device) -> Tuple[int, int]:

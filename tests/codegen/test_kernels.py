@@ -112,6 +112,20 @@ def test_auto_softmax_takes_two_passes_while_the_value_rows_fit(dim, two_pass):
     assert "softmax in two passes" not in backward
 
 
+def test_compiled_kernels_report_their_registers(device):
+    """compiled_resources() lists what this process compiled: on a GPU, the attention kernels
+    with their registers per thread; the interpreter compiles nothing."""
+    tensors, kwargs = _attention_inputs(ATTENTION_CASES[1], device)
+    cg.temporal_attention(*tensors, **kwargs)
+    found = [r for r in kernels.compiled_resources() if r["family"] == "temporal_attention"]
+    if device.type == "cpu":
+        assert found == []
+        return
+    forward = [r for r in found if r["stage"] == "forward" and r["shape"] == (7, 2, 50)]
+    assert forward and all(r["n_regs"] > 0 and r["n_spills"] >= 0 for r in forward)
+    assert forward[0]["mapping"]["num_warps"] >= 1
+
+
 def test_forward_saves_log_sum_exp(device):
     tensors, kwargs = _attention_inputs(ATTENTION_CASES[1], device)
     out, lse = torch.ops.fastopt.temporal_attention(*tensors, None, kwargs["indptr"],
