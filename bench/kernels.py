@@ -323,7 +323,7 @@ def print_resources(resources: List[Dict[str, object]]) -> None:
     """Registers and spills per thread of each compiled attention kernel and its mapping."""
     print("compiled attention kernels (registers / spills per thread, shared bytes per program):")
     for r in resources:
-        if r["family"] != "temporal_attention":
+        if not r["family"].startswith("temporal_attention"):
             continue
         spec, cfg = r["spec"], r["mapping"]
         print(f"  {r['stage']:>8} K,H,d={r['shape']} softmax={spec.get('softmax', '-'):>8} "
