@@ -11,7 +11,9 @@ captured graphs). Batch shapes of TGN/TGAT: 600 roots (200 events
 with their destinations and negatives), 10 most recent neighbors for TGN, 10 x 10 uniform for
 TGAT, width 100, 2 heads, 172 edge features as in Wikipedia/Reddit. Each step is timed with CUDA
 events after warm-up, gradients set to None before it (untimed, as a training loop's
-``zero_grad()``); the median is reported. Prints a table and writes JSON with the date, GPU,
+``zero_grad()``); the median is reported. The eager and fastopt columns take their timed steps in
+``--rounds`` interleaved rounds (a drift of the machine during the run reaches them alike); the
+``torch.compile`` columns follow, one at a time. Prints a table and writes JSON with the date, GPU,
 versions, git commit and the exact command::
 
     python bench/optimize.py --json bench/results/optimize_h200.json
@@ -94,32 +96,46 @@ def _step_begin() -> None:
     torch.compiler.cudagraph_mark_step_begin()
 
 
-def _time(fn, inputs, warmup: int, iters: int, before_step=None, params=()) -> float:
-    """Median CUDA-event time of ``fn(inputs).sum().backward()``; before each step (untimed) the
-    gradients are set to None, as ``optimizer.zero_grad()`` does in a training loop (and the
-    Trainer), so every column's backward stores its gradients rather than adding to old ones."""
+def _times(columns, inputs, warmup: int, iters: int, rounds: int = 1, params=()) -> dict:
+    """CUDA-event times of ``fn(inputs).sum().backward()`` per column (``{name: (fn, before)}``):
+    ``{name: median ms}``, or ``{name: exception}`` for a column that failed. Before each step
+    (untimed) the gradients are set to None, as ``optimizer.zero_grad()`` does in a training loop
+    (and the Trainer), so every column's backward stores its gradients rather than adding to old
+    ones. After each column's warm-up, the timed steps run in ``rounds`` rounds that visit every
+    column in turn: a drift of the machine during the run (clocks, host load) reaches every
+    column alike."""
     params = list(params)
 
-    def prepare():
+    def step(fn, before, timed: bool):
         for p in params:
             p.grad = None
-        if before_step:
-            before_step()
-
-    for _ in range(warmup):
-        prepare()
-        fn(inputs).sum().backward()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        prepare()
+        if before:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn(inputs).sum().backward()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        return start.elapsed_time(end) if timed else None
+
+    results, times = {}, {}
+    for name, (fn, before) in columns.items():
+        try:
+            for _ in range(warmup):
+                step(fn, before, timed=False)
+            times[name] = []
+        except Exception as exc:  # noqa: BLE001 - a failed column is reported, not fatal
+            results[name] = exc
+    per_round = -(-iters // rounds)
+    for _ in range(rounds):
+        for name in list(times):
+            try:
+                times[name] += [step(*columns[name], timed=True) for _ in range(per_round)]
+            except Exception as exc:  # noqa: BLE001
+                results[name] = exc
+                del times[name]
+    results.update({name: statistics.median(t) for name, t in times.items()})
+    return results
 
 
 def _models(num_nodes: int, edge_dim: int):
@@ -149,13 +165,16 @@ def _profile(fn, inputs, path: Path, steps: int = 10) -> None:
 def _write(args, rows) -> None:
     """The JSON record, rewritten after each model so a cut-short run keeps what it measured."""
     write_record(args.json, timing=f"CUDA events, median of {args.iters} steps after "
-                                   f"{args.warmup} warm-up", results=rows)
+                                   f"{args.warmup} warm-up; eager and fastopt columns "
+                                   f"interleaved in {args.rounds} rounds", results=rows)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_batch_args(parser, "tgn,tgat,jodie,apan")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds over the eager and fastopt columns the timed steps take")
     parser.add_argument("--profile", metavar="DIR",
                         help="also write torch.profiler tables of the eager, fastopt and fastopt "
                              "without CUDA graphs steps to DIR")
@@ -174,26 +193,32 @@ def main(argv=None) -> int:
         row = {"model": name, "roots": args.roots, "fanouts": list(model.fanouts),
                "rewrites": [f"{r.where} {r.pattern} -> {r.op}"
                             for r in fast.fastopt_report.rewrites]}
-        # torch.compile last: its caches must not see (or touch) the other columns' calls
-        columns = [("eager_ms", model, None), ("fastopt_nographs_ms", plain, None),
-                   ("fastopt_nosplit_ms", unsplit, None), ("fastopt_nomerge_ms", unmerged, None),
-                   ("fastopt_notimeenc_ms", time_unfused, None), ("fastopt_ms", fast, None)]
+        # eager and the fastopt columns interleaved; then torch.compile, one mode at a time: its
+        # caches must not see (or touch) the other columns' calls
+        timed = _times({"eager_ms": (model, None), "fastopt_nographs_ms": (plain, None),
+                        "fastopt_nosplit_ms": (unsplit, None),
+                        "fastopt_nomerge_ms": (unmerged, None),
+                        "fastopt_notimeenc_ms": (time_unfused, None),
+                        "fastopt_ms": (fast, None)},
+                       inputs, args.warmup, args.iters, args.rounds, model.parameters())
         if not args.no_compile:
-            columns += [("compile_ms", lambda: torch.compile(model), None),
-                        ("compile_ro_ms", lambda: torch.compile(model, mode="reduce-overhead"),
-                         _step_begin)]
-        for column, fn, before in columns:
-            try:
-                if column.startswith("compile"):
-                    torch._dynamo.reset()
-                    fn = fn()
-                row[column] = _time(fn, inputs, args.warmup, args.iters, before,
-                                    params=model.parameters())
-                if column.startswith("compile"):
-                    torch._dynamo.reset()
-            except Exception as exc:  # noqa: BLE001 - a failed column is reported, not fatal
+            for column, mode, before in (("compile_ms", "default", None),
+                                         ("compile_ro_ms", "reduce-overhead", _step_begin)):
+                torch._dynamo.reset()
+                try:
+                    compiled = torch.compile(model, mode=mode)
+                except Exception as exc:  # noqa: BLE001 - a failed column is reported
+                    timed[column] = exc
+                    continue
+                timed.update(_times({column: (compiled, before)}, inputs, args.warmup,
+                                    args.iters, 1, model.parameters()))
+                torch._dynamo.reset()
+        for column, value in timed.items():
+            if isinstance(value, Exception):
                 row[column] = None
-                row.setdefault("errors", {})[column] = f"{type(exc).__name__}: {exc}"[:500]
+                row.setdefault("errors", {})[column] = f"{type(value).__name__}: {value}"[:500]
+            else:
+                row[column] = value
         report = fast.fastopt_report
         row["cuda_graphs"] = [str(g) for g in report.graphs]
         row["captured"] = report.captured_modules()
