@@ -68,11 +68,12 @@ def _torch_mm(a, b, bias=None, residual=None, row_sums=False):
 
 def _torch_tf32_mm(*args, **kwargs):
     # cuBLAS on TensorFloat-32 tensor cores: the speed a single rounded pass reaches (less accurate)
+    before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
         return _torch_mm(*args, **kwargs)
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def _flat(result) -> list:

@@ -142,7 +142,8 @@ class PassesConfig:
     # Linears of one concatenated input (keys and values): one product of their stacked weights
     merge_sibling_linears: bool = True
     # cos(Linear(1, T)(dt)) as one fused op: "off", "graphs" (inside captured CUDA graphs only,
-    # where its launch costs no host time) or "always"; read when fastopt.optimize runs
+    # where its launch costs no host time; rewritten only where graphs can capture) or "always";
+    # read when fastopt.optimize runs (the rewrite) and per call (whether a capture is running)
     fuse_time_encoding: str = "graphs"
 
 

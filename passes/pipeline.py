@@ -6,14 +6,18 @@ also a masked-looking ``(a * v).sum``; the split of Linears over concatenations 
 attention matches read the projections); projection before gather runs last. ``passes/README.md``
 states the invariants every pass keeps.
 
-``fuse_time_encoding`` joins the pipeline (last) unless ``config.passes.fuse_time_encoding`` is
-``"off"``. Its default ``"graphs"`` runs the fused op only inside a captured CUDA graph, where it
-costs no host time and saves the encoding's round trips through memory (H200, ``bench/optimize.py``
-at c9e7a6c: TGAT step 2.118 -> 1.938 ms, TGN 1.201 -> 1.218 ms); called from Python, one
-``time_encode`` custom op costs more host time than the ``addmm`` and ``cos`` it replaces.
+``fuse_time_encoding`` joins the pipeline (last) when ``config.passes.fuse_time_encoding`` is
+``"always"``, or ``"graphs"`` (the default) with CUDA graphs possible (``passes.cuda_graphs`` not
+``"off"``, a CUDA device present). ``"graphs"`` runs the fused op only inside a captured graph,
+where it costs no host time and saves the encoding's round trips through memory (H200,
+``bench/optimize.py`` at c9e7a6c: TGAT step 2.118 -> 1.938 ms, TGN 1.201 -> 1.218 ms); called
+from Python, one ``time_encode`` custom op costs more host time than the ``addmm`` and ``cos`` it
+replaces.
 """
 
 from __future__ import annotations
+
+import torch
 
 from fastopt.config import default_config
 from fastopt.passes.aggregate import FuseMaskedAggregation
@@ -41,6 +45,15 @@ def default_pipeline() -> PassManager:
     """A fresh :class:`PassManager` over fresh instances of :data:`PIPELINE` (counters at zero),
     and :class:`FuseTimeEncoding` where ``config.passes.fuse_time_encoding`` asks for it."""
     passes = [cls() for cls in PIPELINE]
-    if default_config().passes.fuse_time_encoding != "off":
+    if _time_encoding_fuses(default_config().passes):
         passes.append(FuseTimeEncoding())
     return PassManager(passes)
+
+
+def _time_encoding_fuses(cfg) -> bool:
+    # "graphs" fuses only inside a CUDA-graph capture: without one the rewrite would change
+    # nothing but the module (a model whose only match is its time encoding, as JODIE's, would
+    # come back rewritten and graph-wrapped)
+    mode = cfg.fuse_time_encoding
+    return mode == "always" or (mode == "graphs" and cfg.cuda_graphs != "off"
+                                and torch.cuda.is_available())

@@ -94,8 +94,9 @@ def test_two_pass_softmax_matches_reference(case, device):
         assert torch.all(out[0] == 0), "a row without valid neighbors must give zeros"
 
 
+@pytest.mark.parametrize("family", ["temporal_attention", "temporal_attention_padded"])
 @pytest.mark.parametrize("dim,two_pass", [(50, True), (100, False)])
-def test_auto_softmax_takes_two_passes_while_the_value_rows_fit(dim, two_pass):
+def test_auto_softmax_takes_two_passes_while_the_value_rows_fit(dim, two_pass, family):
     """"auto": two passes for K=10, H=2, d=50 on one warp (40 values per thread), the online
     softmax for d=100 (80 per thread); the backward is the same either way."""
     spec = dict(K=10, H=2, D=dim, k_stride=2 * dim, v_stride=2 * dim, dk_stride=2 * dim,
@@ -103,11 +104,10 @@ def test_auto_softmax_takes_two_passes_while_the_value_rows_fit(dim, two_pass):
                 k_indexed=True, v_indexed=True, dropout=False, dropout_bits=24, time_dim=0,
                 seed_in_memory=False, rows=1, block_m=1, block_k=16, block_d=128, block_h=2,
                 num_warps=1, gather_eviction="", write_coef=False)
-    forward = kernels.render("temporal_attention", stage="forward", backward_mode="",
-                             softmax="auto", **spec)
+    forward = kernels.render(family, stage="forward", backward_mode="", softmax="auto", **spec)
     assert ("softmax in two passes" in forward) is two_pass
     assert ("for j in tl.static_range(10)" in forward) is not two_pass
-    backward = kernels.render("temporal_attention", stage="backward", backward_mode="atomic",
+    backward = kernels.render(family, stage="backward", backward_mode="atomic",
                               grad_dtype="tl.float32", **spec)
     assert "softmax in two passes" not in backward
 

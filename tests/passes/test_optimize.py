@@ -126,13 +126,22 @@ def test_config_group_applies_while_running():
 
 
 @pytest.mark.parametrize("mode", ["always", "graphs"])
-def test_time_encoding_fusion_by_config(mode):
+def test_time_encoding_fusion_by_config(mode, monkeypatch):
     """passes.fuse_time_encoding adds the pass; "always" runs the fused op, "graphs" only inside
-    a CUDA-graph capture (here on the CPU: the original code); outputs and gradients as eager."""
+    a CUDA-graph capture (here on the CPU: the original code); outputs and gradients as eager.
+    "graphs" rewrites only where graphs can capture (CUDA graphs on, a CUDA device present)."""
     torch.manual_seed(0)
     layer = TemporalAttention(4, 3, 6, 8, num_heads=2, dropout=0.0).eval()
+    for cuda, graphs, joins in ((True, "auto", True), (False, "auto", mode == "always"),
+                                (True, "off", mode == "always")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        passes = fastopt.optimize(layer, config={"passes": {"fuse_time_encoding": mode,
+                                                            "cuda_graphs": graphs}}
+                                  ).fastopt_report.passes
+        assert ("fuse_time_encoding" in passes) is joins, (cuda, graphs)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the pass in, CPU tensors
     fast = fastopt.optimize(layer, config={"passes": {"fuse_time_encoding": mode}})
-    assert "fuse_time_encoding" in fast.fastopt_report.passes
+    monkeypatch.undo()
     assert fast.fastopt_report.count("time_encode") == 2  # the zero-Δt query and the keys
     off = fastopt.optimize(layer, config={"passes": {"fuse_time_encoding": "off"}})
     assert "fuse_time_encoding" not in off.fastopt_report.passes
