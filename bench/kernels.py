@@ -310,6 +310,8 @@ def run_shape_graph(gtimer: GraphTimer, rows: int, slots: int, heads: int, dim: 
                 result[f"{name}_{stage}_error"] = f"{type(exc).__name__}: {exc}"[:300]
     nbytes = forward_bytes(rows, slots, heads, dim, table_rows)
     result["fused_fwd_fraction_of_copy"] = nbytes / (result["fused_fwd_ms"] * 1e-3) / bandwidth
+    for entry in result["mappings"]:
+        entry["fused_fwd_fraction_of_copy"] = nbytes / (entry["fused_fwd_ms"] * 1e-3) / bandwidth
     for base in ("eager", "compile"):
         if f"{base}_fwdbwd_ms" in result:
             result[f"speedup_fwdbwd_vs_{base}"] = result[f"{base}_fwdbwd_ms"] / result["fused_fwdbwd_ms"]
@@ -347,7 +349,8 @@ def print_graph_table(rows: List[Dict[str, object]]) -> None:
         print(" | ".join(f"{c:>12}" if isinstance(c, int) else f"{c:>12.4f}" for c in cells))
         for entry in r.get("mappings", []):
             knobs = ",".join(f"{k}={v}" for k, v in entry["knobs"].items())
-            print(f"  mapping {knobs:>36}: fused fwd {entry['fused_fwd_ms']:.4f} ms, f+b "
+            print(f"  mapping {knobs:>36}: fused fwd {entry['fused_fwd_ms']:.4f} ms "
+                  f"({100 * entry['fused_fwd_fraction_of_copy']:.1f} % copy BW), f+b "
                   f"{entry['deterministic_fwdbwd_ms']:.4f} ms, atomic f+b "
                   f"{entry['atomic_fwdbwd_ms']:.4f} ms")
         for key, value in r.items():
