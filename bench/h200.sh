@@ -17,7 +17,7 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . >> "$OUT/env.log" 
 STEPS=${STEPS:-tests kernels optimize}
 [[ " $STEPS " == *" tests "* ]] && timeout "${TESTS_S:-540}" python3 -m pytest -q -m gpu tests -p no:cacheprovider -ra > "$OUT/gputests.log" 2>&1
 [[ " $STEPS " == *" kernels "* ]] && timeout "${KERNELS_S:-170}" python3 bench/kernels.py --rows 18000 36000 --iters 20 --warmup 3 \
-    --json "$OUT/kernels.json" --mappings ${MAPPINGS:-head_layout=padded head_layout=padded,attention_softmax=online head_layout=padded,attention_softmax=two_pass} > "$OUT/kernels.log" 2>&1
+    --json "$OUT/kernels.json" --mappings ${MAPPINGS:-block_m=2 block_m=2,attention_softmax=online num_warps=2 gather_eviction=none} > "$OUT/kernels.log" 2>&1
 [[ " $STEPS " == *" optimize "* ]] && timeout "${OPTIMIZE_S:-240}" python3 bench/optimize.py --models tgat,tgn --iters 30 --warmup 5 \
     --json "$OUT/optimize.json" ${PROFILE:+--profile /tmp/profiles} > "$OUT/optimize.log" 2>&1
 [ -n "${PROFILE:-}" ] && tar czf "$OUT/profiles.tar.gz" -C /tmp profiles

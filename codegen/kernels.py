@@ -79,7 +79,7 @@ class _Specialized(NamedTuple):
 
 
 # Families whose programs hold [block_m, lanes] row tiles (the others tile neighbor slots).
-_ROW_TILED_FAMILIES = ("temporal_attention", "temporal_attention_padded", "segment_reduce")
+_ROW_TILED_FAMILIES = ("temporal_attention", "segment_reduce")
 
 # (family, device, problem, knobs, spec) -> _Specialized. Rendering, hashing and the cache lookup
 # run once per specialization; a warm call only packs arguments and launches.
@@ -184,12 +184,6 @@ def _attention_spec(q: Tensor, k: Tensor, v: Tensor, mask, indptr, k_index, v_in
                 seed_in_memory=isinstance(seed, Tensor))
 
 
-def _attention_family() -> str:
-    # config.kernels.head_layout: a row's heads in one run of lanes, or on a tile axis of their own
-    return ("temporal_attention_padded" if default_config().kernels.head_layout == "padded"
-            else "temporal_attention")
-
-
 def _time_args(time: Optional[Tuple[Tensor, ...]]) -> Tuple[Tensor, ...]:
     return tuple(time) if time is not None else ()
 
@@ -199,7 +193,7 @@ def _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p
     rows, heads, dim = q.shape
     spec = _attention_spec(q, k, v, mask, indptr, k_index, v_index, dropout_p,
                            time[1].shape[0] if time is not None else 0, "forward", seed)
-    kernel = _kernel(_attention_family(), q.device, (spec["K"], heads, dim),
+    kernel = _kernel("temporal_attention", q.device, (spec["K"], heads, dim),
                      backward_mode="", write_coef=False,
                      softmax=default_config().kernels.attention_softmax, **spec)
     out = _empty_like(q)
@@ -241,7 +235,7 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
     slots = spec["K"]
     indexed = k_index is not None or v_index is not None
     write_coef = time is not None or (indexed and mode == "deterministic")
-    kernel = _kernel(_attention_family(), q.device, (slots, heads, dim), backward_mode=mode,
+    kernel = _kernel("temporal_attention", q.device, (slots, heads, dim), backward_mode=mode,
                      write_coef=write_coef, grad_dtype=spec["dtype"], **spec)
     acc = _acc_dtype(q.dtype)
     dq = _empty_like(q)

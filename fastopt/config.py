@@ -104,10 +104,6 @@ class KernelsConfig:
     # "two_pass" (all slots' scores, then one maximum; where the slots are unrolled) or "auto"
     # (two passes while the unrolled slots' value rows fit in about 48 registers per thread)
     attention_softmax: str = "auto"
-    # attention tiles: "lanes" (a row's heads in one run of lanes, reduced head by head) or
-    # "padded" (heads on a tile axis of their own, head dims padded to a power of two: one
-    # reduction per slot for all heads)
-    head_layout: str = "lanes"
     # projections rewritten by the passes (split/merged Linears): "off" (cuBLAS through torch),
     # "tf32x3" (generated matmuls on tensor cores, about float32 accuracy) or "ieee" (generated, float32 FMA)
     matmul_precision: str = "off"
@@ -258,8 +254,6 @@ class Config:
         _check(self.kernels.attention_softmax in ("auto", "online", "two_pass"),
                "kernels.attention_softmax", self.kernels.attention_softmax,
                "one of 'auto', 'online', 'two_pass'")
-        _check(self.kernels.head_layout in ("lanes", "padded"), "kernels.head_layout",
-               self.kernels.head_layout, "'lanes' or 'padded'")
         _check(self.kernels.matmul_precision in ("off", "tf32x3", "ieee"), "kernels.matmul_precision",
                self.kernels.matmul_precision, "one of 'off', 'tf32x3', 'ieee'")
         _check(self.kernels.backend in ("auto", "triton", "reference"), "kernels.backend",

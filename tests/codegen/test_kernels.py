@@ -94,9 +94,8 @@ def test_two_pass_softmax_matches_reference(case, device):
         assert torch.all(out[0] == 0), "a row without valid neighbors must give zeros"
 
 
-@pytest.mark.parametrize("family", ["temporal_attention", "temporal_attention_padded"])
 @pytest.mark.parametrize("dim,two_pass", [(50, True), (100, False)])
-def test_auto_softmax_takes_two_passes_while_the_value_rows_fit(dim, two_pass, family):
+def test_auto_softmax_takes_two_passes_while_the_value_rows_fit(dim, two_pass):
     """"auto": two passes for K=10, H=2, d=50 on one warp (40 values per thread), the online
     softmax for d=100 (80 per thread); the backward is the same either way."""
     spec = dict(K=10, H=2, D=dim, k_stride=2 * dim, v_stride=2 * dim, dk_stride=2 * dim,
@@ -104,34 +103,12 @@ def test_auto_softmax_takes_two_passes_while_the_value_rows_fit(dim, two_pass, f
                 k_indexed=True, v_indexed=True, dropout=False, dropout_bits=24, time_dim=0,
                 seed_in_memory=False, rows=1, block_m=1, block_k=16, block_d=128, block_h=2,
                 num_warps=1, gather_eviction="", write_coef=False)
-    forward = kernels.render(family, stage="forward", backward_mode="", softmax="auto", **spec)
+    forward = kernels.render("temporal_attention", stage="forward", backward_mode="", softmax="auto", **spec)
     assert ("softmax in two passes" in forward) is two_pass
     assert ("for j in tl.static_range(10)" in forward) is not two_pass
-    backward = kernels.render(family, stage="backward", backward_mode="atomic",
+    backward = kernels.render("temporal_attention", stage="backward", backward_mode="atomic",
                               grad_dtype="tl.float32", **spec)
     assert "softmax in two passes" not in backward
-
-
-@pytest.mark.parametrize("softmax", ["online", "two_pass"])
-@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_padded_head_layout_matches_reference(case, softmax, device):
-    """Heads on a tile axis of their own: same results (and dropout mask) as the flat layout."""
-    tensors, kwargs = _attention_inputs(case, device)
-    kwargs.update(dropout_p=case[7], seed=11)
-    with fconfig.patch(kernels__backward_mode=case[8], kernels__attention_softmax=softmax,
-                       kernels__head_layout="padded"):
-        out, grads = _check_against_reference(cg.temporal_attention,
-                                              reference.temporal_attention, tensors, kwargs)
-    with fconfig.patch(kernels__backward_mode=case[8]):
-        flat = cg.temporal_attention(*tensors, **kwargs)
-        grad = torch.randn(flat.shape, generator=torch.Generator().manual_seed(7),
-                           dtype=torch.float64).to(flat)  # the grad _check_against_reference used
-        flat_grads = torch.autograd.grad(flat, tensors, grad)
-    assert rel_error(out, flat) < TOL
-    for g, f in zip(grads, flat_grads):
-        assert rel_error(g, f) < TOL
-    if "mask" in kwargs or "indptr" in kwargs:
-        assert torch.all(out[0] == 0), "a row without valid neighbors must give zeros"
 
 
 def test_compiled_kernels_report_their_registers(device):
@@ -175,12 +152,8 @@ def test_time_encoded_attention_matches_reference(device):
     k_proj = randn(width, heads, dim, generator=gen, device=device, scale=0.3)
     v_proj = randn(width, heads, dim, generator=gen, device=device, scale=0.3)
     kwargs.update(dropout_p=0.2, seed=5)
-    for mode, softmax, layout in (("deterministic", "online", "lanes"),
-                                  ("atomic", "two_pass", "lanes"),
-                                  ("deterministic", "two_pass", "padded"),
-                                  ("atomic", "online", "padded")):
-        with fconfig.patch(kernels__backward_mode=mode, kernels__attention_softmax=softmax,
-                           kernels__head_layout=layout):
+    for mode, softmax in (("deterministic", "online"), ("atomic", "two_pass")):
+        with fconfig.patch(kernels__backward_mode=mode, kernels__attention_softmax=softmax):
             _check_against_reference(cg.time_encoded_attention,
                                      reference.time_encoded_attention,
                                      (q, k, v, dt, time_w, time_b, k_proj, v_proj), kwargs)
@@ -298,12 +271,11 @@ def test_gradcheck_through_kernels(device):
     dict(kernels__gather_eviction="evict_last"),
     dict(kernels__attention_softmax="two_pass", kernels__heads_per_program=2,
          kernels__rows_per_program=2, kernels__block_m=2),
-    dict(kernels__head_layout="padded", kernels__heads_per_program=2,
+    dict(kernels__attention_softmax="online", kernels__heads_per_program=2,
          kernels__rows_per_program=3, kernels__block_m=2),
-    dict(kernels__head_layout="padded", kernels__gather_eviction="evict_last"),
 ], ids=["one-head-per-program", "head-pairs-three-rows", "two-rows-k-blocks-of-4",
         "row-tiles-of-2-three-per-program", "one-row-tiles", "l2-hints", "two-pass-head-pairs",
-        "padded-head-pairs-three-row-tiles", "padded-l2-hints"])
+        "online-head-pairs-three-row-tiles"])
 def test_thread_mappings_agree(knobs, device):
     """Split heads, several rows per program and several slot blocks give the same results."""
     case = (7, 10, 4, 50, "mask", "indexed", "indexed", 0.2, "deterministic")
@@ -359,10 +331,7 @@ def test_segments_group_slots_by_row_in_slot_order(table_rows):
 
 @pytest.mark.parametrize("heads,knobs", [
     (3, {}), (6, dict(kernels__heads_per_program=4)), (3, dict(kernels__heads_per_program=2)),
-    (3, dict(kernels__head_layout="padded")),
-    (6, dict(kernels__heads_per_program=4, kernels__head_layout="padded")),
-], ids=["three-heads-one-program", "six-heads-groups-of-4", "three-heads-groups-of-2",
-        "padded-three-heads", "padded-six-heads-groups-of-4"])
+], ids=["three-heads-one-program", "six-heads-groups-of-4", "three-heads-groups-of-2"])
 @pytest.mark.parametrize("mode", ["deterministic", "atomic"])
 @pytest.mark.parametrize("keys", ["indexed", "dense"])
 def test_head_counts_that_are_not_powers_of_two(heads, knobs, mode, keys, device):
@@ -402,9 +371,8 @@ def test_keys_and_values_as_column_blocks_of_one_product(keys, mode, device):
         k, v = (b.reshape(*kv.shape[:-1], heads, dim) for b in kv.split(width, -1))
         return reference.temporal_attention(q, k, v, mask, k_index=index, v_index=index)
 
-    for layout in ("lanes", "padded"):
-        with fconfig.patch(kernels__backward_mode=mode, kernels__head_layout=layout):
-            _check_against_reference(fused, oracle, (q, kv), {})
+    with fconfig.patch(kernels__backward_mode=mode):
+        _check_against_reference(fused, oracle, (q, kv), {})
 
 
 def test_row_stride_of_key_layouts():
@@ -419,13 +387,11 @@ def test_row_stride_of_key_layouts():
     assert checks.row_stride(torch.zeros(4, 0, 2, 5), True) == 10  # nothing to read
 
 
-@pytest.mark.parametrize("layout", ["lanes", "padded"])
-def test_attention_over_no_slots_gives_zeros(layout, device):
+def test_attention_over_no_slots_gives_zeros(device):
     q = randn(3, 2, 5, generator=torch.Generator().manual_seed(0), device=device)
     k = torch.zeros(3, 0, 2, 5, device=device)
     mask = torch.zeros(3, 0, dtype=torch.bool, device=device)
-    with fconfig.patch(kernels__head_layout=layout):
-        assert torch.equal(cg.temporal_attention(q, k, k, mask), torch.zeros_like(q))
+    assert torch.equal(cg.temporal_attention(q, k, k, mask), torch.zeros_like(q))
 
 
 def test_key_and_value_gradients_fill_one_buffer_for_the_projection(device):
