@@ -7,7 +7,8 @@ reference: off (``config.passes.cuda_graphs``); without the split of Linears ove
 concatenations (``config.passes.split_linear_inputs``); without the merge of sibling
 projections into one product (``config.passes.merge_sibling_linears``); and without the
 fused time encoding (``config.passes.fuse_time_encoding = "off"``; by default it is fused inside
-captured graphs). Batch shapes of TGN/TGAT: 600 roots (200 events
+captured graphs); and with torch's bias-gradient reductions (``config.passes.bias_grad_kernel =
+"off"``; by default the generated column sums inside captured graphs). Batch shapes of TGN/TGAT: 600 roots (200 events
 with their destinations and negatives), 10 most recent neighbors for TGN, 10 x 10 uniform for
 TGAT, width 100, 2 heads, 172 edge features as in Wikipedia/Reddit. Each step is timed with CUDA
 events after warm-up, gradients set to None before it (untimed, as a training loop's
@@ -190,6 +191,7 @@ def main(argv=None) -> int:
         unsplit = fastopt.optimize(model, config={"passes": {"split_linear_inputs": False}})
         unmerged = fastopt.optimize(model, config={"passes": {"merge_sibling_linears": False}})
         time_unfused = fastopt.optimize(model, config={"passes": {"fuse_time_encoding": "off"}})
+        torch_bias = fastopt.optimize(model, config={"passes": {"bias_grad_kernel": "off"}})
         row = {"model": name, "roots": args.roots, "fanouts": list(model.fanouts),
                "rewrites": [f"{r.where} {r.pattern} -> {r.op}"
                             for r in fast.fastopt_report.rewrites]}
@@ -199,6 +201,7 @@ def main(argv=None) -> int:
                         "fastopt_nosplit_ms": (unsplit, None),
                         "fastopt_nomerge_ms": (unmerged, None),
                         "fastopt_notimeenc_ms": (time_unfused, None),
+                        "fastopt_torchbias_ms": (torch_bias, None),
                         "fastopt_ms": (fast, None)},
                        inputs, args.warmup, args.iters, args.rounds, model.parameters())
         if not args.no_compile:
@@ -235,13 +238,15 @@ def main(argv=None) -> int:
             _write(args, rows)
     head = ("model", "eager ms", "compile ms", "compile-ro ms", "fastopt-nograph ms",
             "fastopt-nosplit ms", "fastopt-nomerge ms",
-            "fastopt-notimeenc ms", "fastopt ms", "x eager", "x compile", "x compile-ro")
+            "fastopt-notimeenc ms", "fastopt-torchbias ms", "fastopt ms", "x eager", "x compile",
+            "x compile-ro")
     print(" ".join(f"{h:>18}" for h in head))
     for r in rows:
         cells = [r["model"]] + [r.get(k) for k in ("eager_ms", "compile_ms", "compile_ro_ms",
                                                    "fastopt_nographs_ms", "fastopt_nosplit_ms",
                                                    "fastopt_nomerge_ms",
-                                                   "fastopt_notimeenc_ms", "fastopt_ms",
+                                                   "fastopt_notimeenc_ms",
+                                                   "fastopt_torchbias_ms", "fastopt_ms",
                                                    "speedup_vs_eager", "speedup_vs_compile",
                                                    "speedup_vs_compile_ro")]
         print(" ".join(f"{c:>18}" if isinstance(c, str) else

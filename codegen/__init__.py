@@ -8,10 +8,12 @@ Public surface (stable signatures; the fx passes rewrite onto these):
   mask=None, indptr=None, *, k_index=None, v_index=None, scale=None, dropout_p=0.0, seed=0)``
 - :func:`masked_aggregate` ``(x, mask=None, indptr=None, *, index=None, reduce="mean")``
 - :func:`time_encode` ``(dt, w, b)``
-- :func:`linear` ``(x, w, bias=None, residual=None)``: projections, by generated matmuls when
-  ``config.kernels.matmul_precision`` asks for them
+- :func:`linear` ``(x, w, bias=None, residual=None, *, bias_grad="torch")``: projections, by
+  generated matmuls when ``config.kernels.matmul_precision`` asks for them; the bias gradient by
+  :func:`column_sum` with ``bias_grad="column_sum"``
+- :func:`column_sum` ``(x)``: ``x.sum(0)`` of a matrix, deterministic, by a generated kernel
 
-Each is a ``torch.library`` custom op (``torch.ops.fastopt.*``) with autograd and a fake
+Each of the first four is a ``torch.library`` custom op (``torch.ops.fastopt.*``) with autograd and a fake
 implementation; :mod:`fastopt.codegen.reference` holds the plain-PyTorch reference of each, which
 is the CPU path and the test oracle.
 
@@ -24,6 +26,7 @@ Layering: imports nothing of fastopt but :mod:`fastopt.config` and :mod:`fastopt
 
 from fastopt.codegen import reference
 from fastopt.codegen.ops import (
+    column_sum,
     dropout_seed,
     linear,
     masked_aggregate,
@@ -40,6 +43,7 @@ __all__ = [
     "masked_aggregate",
     "time_encode",
     "linear",
+    "column_sum",
     "select_backend",
     "reference",
 ]

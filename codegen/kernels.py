@@ -36,6 +36,7 @@ __all__ = [
     "time_encode_forward",
     "time_encode_backward",
     "segment_reduce",
+    "column_sum",
     "render",
     "compiled_resources",
 ]
@@ -335,8 +336,9 @@ def time_encoded_attention_backward(grad_out, q, k, v, dt, time_w, time_b, k_tim
     denc = torch.einsum("mhj,mht->mjt", ck, q_dot) + torch.einsum("mhj,mht->mjt", cv, g_dot)
     dphase = -torch.sin(phase) * denc
     ddt = (dphase * time_w.to(acc)).sum(-1)
-    dw = (dphase * dt.to(acc)[..., None]).sum((0, 1))
-    db = dphase.sum((0, 1))
+    width = time_w.shape[0]
+    dw = column_sum((dphase * dt.to(acc)[..., None]).view(-1, width))
+    db = column_sum(dphase.view(-1, width))
     return (dq, dk, dv, ddt.to(dt.dtype), dw.to(time_w.dtype), db.to(time_b.dtype),
             dkp.to(k_time_proj.dtype), dvp.to(v_time_proj.dtype))
 
@@ -543,14 +545,21 @@ def _matmul_tile() -> Tuple[int, int, int, int]:
 
 def _matmul_kernel(device: torch.device, tile: Tuple[int, int, int, int],
                    **spec) -> _Specialized:
-    key = ("matmul", device, tile, default_config().kernels.cache_dir, tuple(sorted(spec.items())))
+    block_m, block_n, block_k, warps = tile
+    cfg = KernelConfig(block_m=block_m, block_k=block_k, block_d=block_n, num_warps=warps,
+                       num_stages=3 if _capability(device)[0] >= 9 else 2)
+    return _fixed_kernel("matmul", device, cfg, block_m=block_m, block_n=block_n,
+                         block_k=block_k, **spec)
+
+
+def _fixed_kernel(family: str, device: torch.device, cfg: KernelConfig, **spec) -> _Specialized:
+    """The kernel of ``family`` for ``spec`` under a mapping its caller chose (the families whose
+    tiles do not follow a ``(K, H, d)`` problem), memoized per process."""
+    key = (family, device, cfg, default_config().kernels.cache_dir, tuple(sorted(spec.items())))
     hit = _SPECIALIZED.get(key)
     if hit is None:
-        block_m, block_n, block_k, warps = tile
-        cfg = KernelConfig(block_m=block_m, block_k=block_k, block_d=block_n, num_warps=warps,
-                           num_stages=3 if _capability(device)[0] >= 9 else 2)
-        source = render("matmul", block_m=block_m, block_n=block_n, block_k=block_k, **spec)
-        fn = kernel_cache().load(CacheKey.build("matmul", source, cfg, device), source)
+        source = render(family, **spec)
+        fn = kernel_cache().load(CacheKey.build(family, source, cfg, device), source)
         hit = _SPECIALIZED[key] = _Specialized(fn, cfg)
     return hit
 
@@ -624,3 +633,51 @@ def matmul(a: Tensor, b: Tensor, *, bias: Optional[Tensor] = None,
             a, b, out, res, bias if bias is not None else out, sums, rows, cols, depth, depth,
             num_warps=kernel.cfg.num_warps, num_stages=kernel.cfg.num_stages)
     return (out, sums.sum(0)) if row_sums else out
+
+
+# ----------------------------------------------------------------------------------------------
+# column sums (bias gradients)
+# ----------------------------------------------------------------------------------------------
+
+# Elements of a column-sum program's [block_r, block_n] tile; programs per multiprocessor the
+# row chunks aim for.
+COLUMN_TILE = 4096
+COLUMN_PROGRAMS_PER_SM = 4
+
+
+def column_sum(x: Tensor) -> Tensor:
+    """``x.sum(0)`` of a ``[M, N]`` matrix with unit column stride, in ``x``'s dtype (float32 or
+    float64 accumulation): row chunks summed into partial rows by one launch, the partials by a
+    second; the order depends only on ``M``, ``N`` and the GPU, so the result is deterministic."""
+    rows, cols = x.shape
+    acc = _acc_dtype(x.dtype)
+    if rows == 0 or cols == 0:
+        return torch.zeros(cols, dtype=x.dtype, device=x.device)
+    processors = (torch.cuda.get_device_properties(x.device).multi_processor_count
+                  if x.device.type == "cuda" else 4)
+    block_n = min(next_power_of_2(cols), 256)
+    block_r = max(1, COLUMN_TILE // block_n)
+    col_blocks = -(-cols // block_n)
+    # row chunks: enough programs to fill the GPU, each at least one tile of rows
+    chunks = max(1, min(-(-rows // block_r), -(-COLUMN_PROGRAMS_PER_SM * processors // col_blocks)))
+    per_chunk = -(-rows // chunks)
+    chunk = -(-per_chunk // block_r) * block_r
+    chunks = -(-rows // chunk)
+    partial = _empty((chunks, cols), acc, x.device)
+    _column_sum_launch(x, partial, rows, chunk, chunks, block_r, block_n)
+    out = _empty((1, cols), x.dtype, x.device)
+    # the partials in one chunk; column blocks narrow enough to give several programs
+    block_n2 = min(block_n, 32)
+    _column_sum_launch(partial, out, chunks, chunks, 1, max(1, COLUMN_TILE // block_n2), block_n2)
+    return out[0]
+
+
+def _column_sum_launch(x: Tensor, out: Tensor, rows: int, chunk: int, chunks: int, block_r: int,
+                       block_n: int) -> None:
+    cols = x.shape[1]
+    cfg = KernelConfig(block_m=block_r, block_d=block_n, num_warps=4,
+                       num_stages=3 if _capability(x.device)[0] >= 9 else 2)
+    kernel = _fixed_kernel("column_sum", x.device, cfg, N=cols, stride=x.stride(0),
+                           block_r=block_r, block_n=block_n, acc=_TL_DTYPES[_acc_dtype(x.dtype)],
+                           out_dtype=_TL_DTYPES[out.dtype])
+    kernel.launch((chunks, -(-cols // block_n)), x, out, rows, chunk)

@@ -44,6 +44,8 @@ __all__ = [
     "time_encoded_attention",
     "masked_aggregate",
     "time_encode",
+    "linear",
+    "column_sum",
     "select_backend",
 ]
 
@@ -523,8 +525,42 @@ class _Linear(torch.autograd.Function):
         return dx, dw, dbias, grad if need_residual else None, None
 
 
+class _ColumnSumBias(torch.autograd.Function):
+    """``addmm`` whose backward sums the bias gradient with :func:`column_sum`."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, residual):
+        ctx.save_for_backward(x, w)
+        if residual is None:
+            return torch.addmm(bias, x, w.t())
+        return torch.addmm(residual, x, w.t()) + bias
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        need_x, need_w, need_bias, need_residual = ctx.needs_input_grad
+        return (grad @ w if need_x else None, grad.t() @ x if need_w else None,
+                column_sum(grad) if need_bias else None, grad if need_residual else None)
+
+
+def column_sum(x: Tensor) -> Tensor:
+    """``x.sum(0)`` of a matrix: by the generated column-sum kernels (deterministic; float32
+    accumulation) where they run (Triton backend, unit column stride), else by torch.
+
+    Raises:
+        KernelError: ``x`` is not a matrix.
+    """
+    if x.dim() != 2:
+        raise KernelError(f"column_sum needs a [M, N] matrix; got shape {tuple(x.shape)}. "
+                          f"Flatten the leading dimensions (x.reshape(-1, x.shape[-1]))")
+    if x.stride(1) == 1 and x.is_floating_point() and _eager_kernels(x):
+        return _kernels().column_sum(x)
+    return x.sum(0)
+
+
 def linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None,
-           residual: Optional[Tensor] = None) -> Tensor:
+           residual: Optional[Tensor] = None, *, bias_grad: str = "torch") -> Tensor:
     """``x @ w.T (+ bias) (+ residual)`` for ``x [M, K]``, ``w [N, K]``: a projection.
 
     With ``config.kernels.matmul_precision`` ``"tf32x3"`` or ``"ieee"`` and the Triton backend,
@@ -532,7 +568,9 @@ def linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None,
     kernels (``"tf32x3"``: tensor-core products of high and low TensorFloat-32 parts, about
     float32's accuracy; ``"ieee"``: float32 multiply-adds); weight gradients split the batch rows
     over programs and sum the partials in a fixed order. Otherwise (the default ``"off"``) one
-    ``torch.addmm``, as ``F.linear`` runs it.
+    ``torch.addmm``, as ``F.linear`` runs it; with ``bias_grad="column_sum"`` (and a bias that
+    needs a gradient) its backward sums the bias gradient by :func:`column_sum` rather than
+    torch's reduction (cuBLAS products for the rest).
 
     Returns:
         ``[M, N]``.
@@ -553,6 +591,9 @@ def linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None,
             not torch.is_autocast_enabled(x.device.type) and _eager_kernels(*tensors):
         return _Linear.apply(x, w, None if bias is None else bias.contiguous(), residual,
                              precision)
+    if bias_grad == "column_sum" and bias is not None and bias.requires_grad and \
+            torch.is_grad_enabled() and _eager_kernels(*tensors):
+        return _ColumnSumBias.apply(x, w, bias, residual)
     if residual is not None:
         out = torch.addmm(residual, x, w.t())
         return out if bias is None else out + bias

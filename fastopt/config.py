@@ -141,6 +141,10 @@ class PassesConfig:
     # where its launch costs no host time; rewritten only where graphs can capture) or "always";
     # read when fastopt.optimize runs (the rewrite) and per call (whether a capture is running)
     fuse_time_encoding: str = "graphs"
+    # bias gradients of the projections the passes rewrite (split/merged Linears) summed by the
+    # generated column-sum kernel rather than torch's reduction: "off", "graphs" (inside captured
+    # CUDA graphs only, where its autograd node costs no host time) or "always"
+    bias_grad_kernel: str = "graphs"
 
 
 @dataclass
@@ -268,6 +272,9 @@ class Config:
                    value, "0 (default) or a power of two >= 16 (tl.dot's smallest tile)")
         _check(self.passes.fuse_time_encoding in ("off", "graphs", "always"),
                "passes.fuse_time_encoding", self.passes.fuse_time_encoding,
+               "one of 'off', 'graphs', 'always'")
+        _check(self.passes.bias_grad_kernel in ("off", "graphs", "always"),
+               "passes.bias_grad_kernel", self.passes.bias_grad_kernel,
                "one of 'off', 'graphs', 'always'")
         _check(self.passes.cuda_graphs in ("auto", "on", "off"), "passes.cuda_graphs",
                self.passes.cuda_graphs, "one of 'auto', 'on', 'off'")

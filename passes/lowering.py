@@ -466,19 +466,19 @@ def fused_multihead_attention(mha: torch.nn.MultiheadAttention, query: Tensor, k
         m, kk = key.shape[:2]
         h = mha.num_heads
         d = mha.embed_dim // h
-        q = F.linear(query[:, 0], wq, bq).view(m, h, d)
+        q = _projection(query[:, 0], wq, bq).view(m, h, d)
         if shared:  # keys and values of one sequence: one product, read as column blocks
-            kv = F.linear(key, torch.cat([wk, wv]), None if bk is None else torch.cat([bk, bv]))
+            kv = _projection(key, torch.cat([wk, wv]), None if bk is None else torch.cat([bk, bv]))
             k, v = (block.view(m, kk, h, d)
                     for block in column_blocks(kv, (mha.embed_dim, mha.embed_dim)))
         else:
-            k = F.linear(key, wk, bk).view(m, kk, h, d)
-            v = F.linear(value, wv, bv).view(m, kk, h, d)
+            k = _projection(key, wk, bk).view(m, kk, h, d)
+            v = _projection(value, wv, bv).view(m, kk, h, d)
         _record(site, (kk, h, d))
         seed = codegen.dropout_seed(q) if p > 0 else 0
         out = codegen.temporal_attention(q, k, v, ~key_padding_mask, scale=d ** -0.5,
                                          dropout_p=p, seed=seed)
-        out = F.linear(out.reshape(m, mha.embed_dim), mha.out_proj.weight, mha.out_proj.bias)
+        out = _projection(out.reshape(m, mha.embed_dim), mha.out_proj.weight, mha.out_proj.bias)
         return out.unsqueeze(1 if mha.batch_first else 0), None
     return mha(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights)
 
@@ -590,7 +590,10 @@ def linear_over_parts(linear: torch.nn.Linear, *parts: Tensor, site: str = "") -
     """
     groups = _split_groups(linear, parts)
     if groups is None:
-        return linear(torch.cat(parts, dim=-1))
+        x = torch.cat(parts, dim=-1)
+        if _plain_linear(linear) and _bias_grad(linear.bias) == "column_sum":
+            return _projection(x, linear.weight, linear.bias)
+        return linear(x)
     return _product_over_parts(linear.weight, linear.bias, parts, groups, site)
 
 
@@ -614,7 +617,7 @@ def linears_over_parts(linears: Sequence[torch.nn.Linear], *parts: Tensor,
     bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
     groups = _split_groups(linears[0], parts)
     if groups is None:
-        y = F.linear(torch.cat(parts, dim=-1), weight, bias)
+        y = _projection(torch.cat(parts, dim=-1), weight, bias)
     else:
         y = _product_over_parts(weight, bias, parts, groups, site)
     return column_blocks(y, [linear.out_features for linear in linears])
@@ -711,10 +714,32 @@ def _product_over_parts(weight: Tensor, bias: Optional[Tensor], parts: Sequence[
 
     x_free, w_free = group(free)
     x_grad, w_grad = group(grad)
-    y = codegen.linear(x_free, w_free, bias)  # addmm, or generated (config.kernels.matmul_precision)
+    # addmm, or generated (config.kernels.matmul_precision)
+    y = codegen.linear(x_free, w_free, bias, bias_grad=_bias_grad(bias))
     y = codegen.linear(x_grad, w_grad, residual=y)
     _record(site, (x_free.shape[1], x_grad.shape[1]))
     return y.view(*parts[0].shape[:-1], weight.shape[0])
+
+
+def _bias_grad(bias: Optional[Tensor]) -> str:
+    """How a rewritten projection sums its bias gradient (``config.passes.bias_grad_kernel``):
+    ``"column_sum"`` (the generated kernel) always, or only while a CUDA graph is being captured
+    (where its autograd node costs no host time); else ``"torch"``."""
+    if bias is None:
+        return "torch"
+    mode = default_config().passes.bias_grad_kernel
+    if mode == "always" or (mode == "graphs" and bias.is_cuda and graphs.capturing()):
+        return "column_sum"
+    return "torch"
+
+
+def _projection(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``F.linear(x, weight, bias)``, the bias gradient as :func:`_bias_grad` says."""
+    mode = _bias_grad(bias)
+    if mode == "torch":
+        return F.linear(x, weight, bias)
+    y = codegen.linear(x.reshape(-1, x.shape[-1]), weight, bias, bias_grad=mode)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def project_rows(linear: torch.nn.Module, table: Tensor, index: Tensor, *, site: str = "") -> Tensor:
