@@ -5,7 +5,7 @@
 # (TESTS_S, KERNELS_S, OPTIMIZE_S, BREAKDOWN_S, PROJECTIONS_S seconds) so that a slow step cannot
 # take the others' results with it. MAPPINGS: the thread mappings bench/kernels.py also times.
 # The GPU tests compile every kernel variant they cover (about 5 minutes at ff78491, more since):
-# run STEPS=tests as a call of its own. PROFILE=1 also writes torch.profiler tables of the eager and
+# run STEPS=tests as a call of its own (TESTS: the test paths, default all). PROFILE=1 also writes torch.profiler tables of the eager and
 # fastopt steps (profiles.tar.gz). STEPS picks the steps (default "tests kernels optimize"; also
 # "breakdown" (bench/step_breakdown.py) and "projections" (bench/projections.py)): one device
 # command may run 10 minutes, so split them over calls.
@@ -15,7 +15,7 @@ OUT=${OUT:?set OUT to the output folder}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/env.log" 2>&1
 python3 -m pip install -q --no-build-isolation --no-deps -e . >> "$OUT/env.log" 2>&1 || { tail "$OUT/env.log"; exit 1; }
 STEPS=${STEPS:-tests kernels optimize}
-[[ " $STEPS " == *" tests "* ]] && timeout "${TESTS_S:-540}" python3 -m pytest -q -m gpu tests -p no:cacheprovider -ra > "$OUT/gputests.log" 2>&1
+[[ " $STEPS " == *" tests "* ]] && timeout "${TESTS_S:-540}" python3 -m pytest -q -m gpu ${TESTS:-tests} -p no:cacheprovider -ra > "$OUT/gputests.log" 2>&1
 [[ " $STEPS " == *" kernels "* ]] && timeout "${KERNELS_S:-170}" python3 bench/kernels.py --rows 18000 36000 --iters 20 --warmup 3 \
     --json "$OUT/kernels.json" --mappings ${MAPPINGS:-block_m=2 block_m=2,attention_softmax=online num_warps=2 gather_eviction=none} > "$OUT/kernels.log" 2>&1
 [[ " $STEPS " == *" optimize "* ]] && timeout "${OPTIMIZE_S:-240}" python3 bench/optimize.py --models tgat,tgn --iters 30 --warmup 5 \
