@@ -52,6 +52,8 @@ class KernelConfig:
         heads_per_program: Heads per program; the grid's second axis covers the rest.
         num_warps: Warps per program.
         num_stages: Software-pipelining stages.
+        max_registers: Registers per thread the compiler may use (``maxnreg``; more programs fit
+            a multiprocessor, at the risk of spills), ``0`` for the compiler's choice.
         gather_eviction: L2 eviction hint of table-row gathers (``"evict_last"``; streamed
             inputs and outputs then get ``"evict_first"``), or ``""`` for none.
     """
@@ -63,6 +65,7 @@ class KernelConfig:
     heads_per_program: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    max_registers: int = 0
     gather_eviction: str = ""
 
     def validate(self, slots: int, heads: int, dim: int) -> "KernelConfig":
@@ -93,6 +96,9 @@ class KernelConfig:
             value = getattr(self, name)
             if value < 1:
                 raise KernelError(f"KernelConfig.{name}={value} must be >= 1; use 1")
+        if self.max_registers and not 24 <= self.max_registers <= 255:
+            raise KernelError(f"KernelConfig.max_registers={self.max_registers} is outside "
+                              f"[24, 255]; use 0 (the compiler's choice) or a value in that range")
         return self
 
     def grid(self, rows: int, heads: int) -> Tuple[int, int]:
@@ -150,7 +156,7 @@ def heuristic_config(slots: int, heads: int, dim: int, capability: Tuple[int, in
         knobs = default_config().kernels
         changes = {name: getattr(knobs, name) for name in
                    ("rows_per_program", "heads_per_program", "num_warps", "num_stages", "block_k",
-                    "block_m")
+                    "block_m", "max_registers")
                    if getattr(knobs, name)}
         if "heads_per_program" in changes:
             changes["heads_per_program"] = next_power_of_2(min(changes["heads_per_program"], heads))

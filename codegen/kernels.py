@@ -76,7 +76,8 @@ class _Specialized(NamedTuple):
     def launch(self, grid: Tuple[int, int], *args) -> None:
         if grid[0] == 0:
             return
-        self.fn[grid](*args, num_warps=self.cfg.num_warps, num_stages=self.cfg.num_stages)
+        extra = {"maxnreg": self.cfg.max_registers} if self.cfg.max_registers else {}
+        self.fn[grid](*args, num_warps=self.cfg.num_warps, num_stages=self.cfg.num_stages, **extra)
 
 
 # Families whose programs hold [block_m, lanes] row tiles (the others tile neighbor slots).
@@ -90,7 +91,8 @@ _SPECIALIZED: Dict[tuple, _Specialized] = {}
 def _knobs() -> tuple:
     knobs = default_config().kernels
     return (knobs.rows_per_program, knobs.block_m, knobs.heads_per_program, knobs.block_k,
-            knobs.num_warps, knobs.num_stages, knobs.gather_eviction, knobs.cache_dir)
+            knobs.num_warps, knobs.num_stages, knobs.max_registers, knobs.gather_eviction,
+            knobs.cache_dir)
 
 
 def _kernel(family: str, device: torch.device, problem: Tuple[int, int, int],
@@ -177,7 +179,13 @@ def _attention_spec(q: Tensor, k: Tensor, v: Tensor, mask, indptr, k_index, v_in
         raise KernelError("attention keys and values need rows of H*d contiguous elements, evenly "
                           f"spaced (strides {tuple(k.stride())}, {tuple(v.stride())}); pass "
                           ".contiguous() tensors")
+    shared_index = (k_index is not None and v_index is not None
+                    and (k_index is v_index or (k_index.data_ptr() == v_index.data_ptr()
+                                                and k_index.shape == v_index.shape
+                                                and k_index.stride() == v_index.stride())))
+    align = 16 // q.element_size() if default_config().kernels.aligned_rows else 1
     return dict(stage=stage, K=slots, H=heads, D=dim, k_stride=strides[0], v_stride=strides[1],
+                shared_index=shared_index, align=align,
                 dk_stride=heads * dim, dv_stride=heads * dim, dtype=_TL_DTYPES[q.dtype],
                 acc=_TL_DTYPES[_acc_dtype(q.dtype)], mask_form=_mask_form(mask, indptr),
                 k_indexed=k_index is not None, v_indexed=v_index is not None,

@@ -97,6 +97,11 @@ class KernelsConfig:
     num_warps: int = 0
     # software-pipelining stages; 0 = heuristic per GPU
     num_stages: int = 0
+    # registers per thread the generated kernels may use (maxnreg, 24..255); 0 = the compiler's choice
+    max_registers: int = 0
+    # attention reads a head that starts off a 16-byte boundary (d = 50 floats) from the boundary
+    # below and zeroes the lanes outside it: 16-byte vector loads (False: exact lanes only)
+    aligned_rows: bool = True
     # L2 hint of attention's table-row gathers: "evict_last" keeps gathered key/value rows in L2
     # (streamed queries, indices and outputs get "evict_first"), "none" gives no hint, "auto" = heuristic
     gather_eviction: str = "auto"
@@ -266,6 +271,9 @@ class Config:
                      "num_stages", "matmul_warps"):
             value = getattr(self.kernels, knob)
             _check(value >= 0, f"kernels.{knob}", value, ">= 0 (0 = heuristic)")
+        _check(self.kernels.max_registers == 0 or 24 <= self.kernels.max_registers <= 255,
+               "kernels.max_registers", self.kernels.max_registers,
+               "0 (the compiler's choice) or in [24, 255]")
         for knob in ("matmul_block_m", "matmul_block_n", "matmul_block_k"):
             value = getattr(self.kernels, knob)
             _check(value == 0 or (value >= 16 and value & (value - 1) == 0), f"kernels.{knob}",

@@ -57,7 +57,7 @@ def test_build_hashes_source_config_and_versions():
     for field in dataclasses.fields(KernelConfig):
         value = getattr(KernelConfig(), field.name)
         other = dataclasses.replace(KernelConfig(), **{field.name: "evict_last" if isinstance(
-            value, str) else 2 * value})
+            value, str) else 2 * value or 64})
         assert CacheKey.build("demo", SOURCE, other, torch.device("cpu"),
                               VERSIONS).digest != base.digest, field.name
     for package in VERSIONS:

@@ -31,6 +31,7 @@ ATTENTION_CASES = [
     (3, 32, 4, 16, "csr", "indexed", "indexed", 0.5, "deterministic"),
     (8, 1, 2, 64, "csr", "indexed", "indexed", 0.0, "atomic"),
     (5, 10, 1, 50, "mask", "indexed", "indexed", 0.3, "atomic"),
+    (6, 10, 2, 50, "mask", "indexed", "shared", 0.2, "deterministic"),  # one index for k and v
 ]
 
 
@@ -48,6 +49,8 @@ def _attention_inputs(case, device, dtype=torch.float32, seed=0):
 
     k, k_index = side(keys)
     v, v_index = side(values)
+    if values == "shared":
+        v_index = k_index
     valid = neighbors(rows, slots, gen, device).form(form)
     return (q, k, v), dict(k_index=k_index, v_index=v_index, **valid)
 
@@ -102,13 +105,36 @@ def test_auto_softmax_takes_two_passes_while_the_value_rows_fit(dim, two_pass):
                 dv_stride=2 * dim, dtype="tl.float32", acc="tl.float32", mask_form="mask",
                 k_indexed=True, v_indexed=True, dropout=False, dropout_bits=24, time_dim=0,
                 seed_in_memory=False, rows=1, block_m=1, block_k=16, block_d=128, block_h=2,
-                num_warps=1, gather_eviction="", write_coef=False)
+                num_warps=1, gather_eviction="", write_coef=False, align=4, shared_index=True)
     forward = kernels.render("temporal_attention", stage="forward", backward_mode="", softmax="auto", **spec)
     assert ("softmax in two passes" in forward) is two_pass
     assert ("for j in tl.static_range(10)" in forward) is not two_pass
     backward = kernels.render("temporal_attention", stage="backward", backward_mode="atomic",
                               grad_dtype="tl.float32", **spec)
     assert "softmax in two passes" not in backward
+
+
+@pytest.mark.parametrize("dim,heads,align,aligned", [
+    (50, 2, 4, True),     # head 1 starts at element 50: read from 48
+    (100, 2, 4, False),   # every head starts on a 16-byte boundary already
+    (50, 2, 1, False),    # config.kernels.aligned_rows off
+    (51, 4, 4, False),    # head 3 would read 208 > 204 elements of its row
+    (50, 1, 4, False),    # a 50-element row is not a whole number of vectors
+])
+def test_aligned_rows_only_where_every_head_stays_in_its_row(dim, heads, align, aligned):
+    """Heads off a 16-byte boundary are read from the boundary below (whole vectors), and only
+    where every span stays inside its row and every row length and stride is whole vectors."""
+    width = heads * dim
+    spec = dict(K=10, H=heads, D=dim, k_stride=width, v_stride=width, dk_stride=width,
+                dv_stride=width, dtype="tl.float32", acc="tl.float32", mask_form="mask",
+                k_indexed=True, v_indexed=True, dropout=False, dropout_bits=24, time_dim=0,
+                seed_in_memory=False, rows=1, block_m=1, block_k=16, block_d=128,
+                block_h=heads, num_warps=1, gather_eviction="", write_coef=False, align=align,
+                shared_index=False, softmax="auto")
+    for stage, extra in (("forward", dict(backward_mode="")),
+                         ("backward", dict(backward_mode="atomic", grad_dtype="tl.float32"))):
+        source = kernels.render("temporal_attention", stage=stage, **extra, **spec)
+        assert ("span_ok" in source) is aligned, stage
 
 
 def test_compiled_kernels_report_their_registers(device):
@@ -227,9 +253,10 @@ def test_dropout_keeps_expected_fraction(device):
     assert torch.equal(keep.bool(), expected)
 
 
+@pytest.mark.parametrize("dim", [64, 100])  # 100: head 1 starts off a 16-byte boundary
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_accumulates_in_float32(dtype, device):
-    case = (4, 10, 2, 64, "csr", "indexed", "indexed", 0.0, "deterministic")
+def test_half_precision_accumulates_in_float32(dtype, dim, device):
+    case = (4, 10, 2, dim, "csr", "indexed", "indexed", 0.0, "deterministic")
     tensors, kwargs = _attention_inputs(case, device, dtype=dtype)
     out = cg.temporal_attention(*tensors, **kwargs)
     assert out.dtype == dtype
