@@ -18,13 +18,19 @@ from typing import Tuple
 from fastopt.config import default_config
 from fastopt.errors import KernelError
 
-__all__ = ["KernelConfig", "heuristic_config", "next_power_of_2"]
+__all__ = ["KernelConfig", "heuristic_config", "next_power_of_2", "FORWARD_ELEMENTS_PER_WARP"]
 
 # Elements of one [block_k, heads, block_d] register tile above which heads are split over programs.
 MAX_TILE = 8192
 # Elements of the [block_m, lanes] row tile the heuristic aims for, and per warp of it.
 ROW_TILE = 128
 ELEMENTS_PER_WARP = 256
+# The attention forward's warp share: its loop body is gathers and one reduction per slot, and
+# spreading a row over more warps keeps more of them in flight (H200, K=10, H=2, d=100, M=18,000:
+# forward 48.6 us on one warp, 45.7 on two; the backward, with three reductions per slot, is
+# faster on one: f+b 0.2251 against 0.2273 ms with both on two). d=50 stays on one warp (24.2
+# against 33.4 us).
+FORWARD_ELEMENTS_PER_WARP = 128
 # Widest head dimension one tile holds (block_d covers d in one piece).
 MAX_BLOCK_D = 4096
 
@@ -115,13 +121,15 @@ class KernelConfig:
 
 
 def heuristic_config(slots: int, heads: int, dim: int, capability: Tuple[int, int] = (0, 0),
-                     apply_knobs: bool = True, row_tiles: bool = True) -> KernelConfig:
+                     apply_knobs: bool = True, row_tiles: bool = True,
+                     warp_elements: int = ELEMENTS_PER_WARP) -> KernelConfig:
     """Default mapping for a ``K, H, d`` problem on a GPU of the given compute capability.
 
     All heads share a program while the ``[block_k, H, block_d]`` tile stays within
     :data:`MAX_TILE` elements; ``block_k`` covers K when it fits. Row-tiled families (attention,
     segmented reduction) get ``block_m`` rows of about :data:`ROW_TILE` elements and one warp per
-    :data:`ELEMENTS_PER_WARP` elements: on an H200 (K = 10, H = 2, d = 50 and 100, M = 18,000), one
+    ``warp_elements`` (:data:`ELEMENTS_PER_WARP`; :data:`FORWARD_ELEMENTS_PER_WARP` for the
+    attention forward) elements: on an H200 (K = 10, H = 2, d = 50 and 100, M = 18,000), one
     row per one-warp program ran forward+backward in 0.19 / 0.24 ms against 0.34 / 0.61 ms for 16
     (8) rows on 4 warps and 0.21 / 0.64 ms for 8 rows on 8 warps: a warp's reductions stay in
     registers, and many small programs keep the most row gathers in flight. The slot-tiled
@@ -135,6 +143,7 @@ def heuristic_config(slots: int, heads: int, dim: int, capability: Tuple[int, in
         capability: CUDA compute capability, ``(0, 0)`` for the CPU interpreter.
         apply_knobs: Let non-zero ``config.kernels`` knobs override the heuristics.
         row_tiles: Warps for a ``[block_m, lanes]`` row tile (else for a slot tile).
+        warp_elements: Elements of a row tile per warp.
     """
     block_d = next_power_of_2(dim)
     block_k = next_power_of_2(slots)
@@ -145,7 +154,7 @@ def heuristic_config(slots: int, heads: int, dim: int, capability: Tuple[int, in
     lanes = next_power_of_2(heads_per_program * dim)
     block_m = max(1, min(64, ROW_TILE // lanes))
     if row_tiles:
-        num_warps = max(1, min(8, block_m * lanes // ELEMENTS_PER_WARP))
+        num_warps = max(1, min(8, block_m * lanes // warp_elements))
     else:
         num_warps = max(2, min(8, block_k * block_d // 512))
     num_stages = 3 if capability[0] >= 9 else 2

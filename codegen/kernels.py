@@ -22,7 +22,8 @@ from torch import Tensor
 
 from fastopt.codegen import checks, reference
 from fastopt.codegen.cache import KERNEL_NAME_PLACEHOLDER, CacheKey, device_identity, kernel_cache
-from fastopt.codegen.kernel_config import KernelConfig, heuristic_config, next_power_of_2
+from fastopt.codegen.kernel_config import (ELEMENTS_PER_WARP, FORWARD_ELEMENTS_PER_WARP,
+                                           KernelConfig, heuristic_config, next_power_of_2)
 from fastopt.config import default_config
 from fastopt.errors import KernelError
 
@@ -96,17 +97,20 @@ def _knobs() -> tuple:
 
 
 def _kernel(family: str, device: torch.device, problem: Tuple[int, int, int],
-            derive: Callable[[KernelConfig], dict] = lambda cfg: {}, **spec) -> _Specialized:
+            derive: Callable[[KernelConfig], dict] = lambda cfg: {},
+            warp_elements: int = ELEMENTS_PER_WARP, **spec) -> _Specialized:
     """The kernel of ``family`` for ``spec`` on a ``(K, H, d)`` problem, memoized per process.
 
     ``derive`` maps the thread mapping to template variables beyond the common ones (it must
-    depend on nothing but the mapping and ``spec``, which are part of the memo key).
+    depend on nothing but the mapping and ``spec``, which are part of the memo key);
+    ``warp_elements``: the row-tile elements per warp of the heuristic mapping.
     """
-    key = (family, device, problem, _knobs(), tuple(sorted(spec.items())))
+    key = (family, device, problem, _knobs(), warp_elements, tuple(sorted(spec.items())))
     hit = _SPECIALIZED.get(key)
     if hit is None:
         cfg = heuristic_config(*problem, _capability(device),
-                               row_tiles=family in _ROW_TILED_FAMILIES)
+                               row_tiles=family in _ROW_TILED_FAMILIES,
+                               warp_elements=warp_elements)
         source = render(family, rows=cfg.rows_per_program, block_m=cfg.block_m, block_k=cfg.block_k,
                         block_d=cfg.block_d, block_h=min(cfg.heads_per_program, problem[1]),
                         num_warps=cfg.num_warps, gather_eviction=cfg.gather_eviction,
@@ -203,6 +207,7 @@ def _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p
     spec = _attention_spec(q, k, v, mask, indptr, k_index, v_index, dropout_p,
                            time[1].shape[0] if time is not None else 0, "forward", seed)
     kernel = _kernel("temporal_attention", q.device, (spec["K"], heads, dim),
+                     warp_elements=FORWARD_ELEMENTS_PER_WARP,
                      backward_mode="", write_coef=False,
                      softmax=default_config().kernels.attention_softmax, **spec)
     out = _empty_like(q)

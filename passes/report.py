@@ -36,12 +36,14 @@ class Rewrite:
         if shape is None or self.op not in ("temporal_attention",):
             return "chosen per call from config.kernels (shape not seen yet)" if shape is None \
                 else f"per call from config.kernels, first shape {shape}"
-        from fastopt.codegen.kernel_config import heuristic_config
+        from fastopt.codegen.kernel_config import FORWARD_ELEMENTS_PER_WARP, heuristic_config
 
         slots, heads, dim = shape
-        cfg = heuristic_config(slots, heads, dim)
+        cfg = heuristic_config(slots, heads, dim, warp_elements=FORWARD_ELEMENTS_PER_WARP)
         knobs = ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items())
-        return f"K={slots} H={heads} d={dim}: {knobs}"
+        backward = heuristic_config(slots, heads, dim).num_warps
+        extra = f" (backward: num_warps={backward})" if backward != cfg.num_warps else ""
+        return f"K={slots} H={heads} d={dim}: {knobs}{extra}"
 
 
 @dataclass

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import fastopt.config as fconfig
-from fastopt.codegen.kernel_config import KernelConfig, heuristic_config, next_power_of_2
+from fastopt.codegen.kernel_config import (FORWARD_ELEMENTS_PER_WARP, KernelConfig,
+                                           heuristic_config, next_power_of_2)
 from fastopt.errors import ConfigError, KernelError
 
 
@@ -26,6 +27,13 @@ def test_row_tiles_keep_a_warp_per_256_elements(dim, rows, warps):
     cfg = heuristic_config(10, 2, dim)
     assert (cfg.block_m, cfg.num_warps) == (rows, warps)
     assert cfg.tile_grid(1000, 2) == (-(-1000 // rows), 2 // cfg.heads_per_program)
+
+
+@pytest.mark.parametrize("dim,warps", [(16, 1), (50, 1), (100, 2), (300, 4)])
+def test_attention_forward_keeps_a_warp_per_128_elements(dim, warps):
+    cfg = heuristic_config(10, 2, dim, warp_elements=FORWARD_ELEMENTS_PER_WARP)
+    assert cfg.num_warps == warps
+    assert cfg.block_m == heuristic_config(10, 2, dim).block_m
 
 
 def test_hopper_gets_more_stages():
