@@ -211,6 +211,21 @@ def check_time_projection(q: Tensor, dt: Tensor, w: Tensor, b: Tensor, k_time_pr
     _shape("v_time_proj", v_time_proj, width, "[T, H, d]")
 
 
+def check_shared_block(q: Tensor, sq: Tensor, se: Tensor, layout: NeighborLayout) -> None:
+    """Validate the shared feature block of :func:`fastopt.codegen.shared_attention`."""
+    _is_tensor("sq", sq)
+    _is_tensor("se", se)
+    _same_device(q, sq=sq, se=se)
+    _float("sq", sq, q.dtype)
+    _float("se", se, q.dtype)
+    width = sq.shape[-1] if sq.dim() == 3 else 0
+    _shape("sq", sq, (layout.rows, q.shape[1], width), "[M, H, S], the queries' shared part")
+    if width < 1:
+        raise KernelError(f"sq has shape {tuple(sq.shape)}; the shared block needs S >= 1 "
+                          f"features (pass the attention without it instead)")
+    _shape("se", se, (layout.rows, layout.slots, width), "[M, K, S], one block per slot")
+
+
 def check_aggregate(x: Tensor, mask: Optional[Tensor], indptr: Optional[Tensor],
                     index: Optional[Tensor], reduce: str) -> NeighborLayout:
     """Validate the arguments of :func:`fastopt.codegen.masked_aggregate`."""

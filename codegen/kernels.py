@@ -183,13 +183,9 @@ def _attention_spec(q: Tensor, k: Tensor, v: Tensor, mask, indptr, k_index, v_in
         raise KernelError("attention keys and values need rows of H*d contiguous elements, evenly "
                           f"spaced (strides {tuple(k.stride())}, {tuple(v.stride())}); pass "
                           ".contiguous() tensors")
-    shared_index = (k_index is not None and v_index is not None
-                    and (k_index is v_index or (k_index.data_ptr() == v_index.data_ptr()
-                                                and k_index.shape == v_index.shape
-                                                and k_index.stride() == v_index.stride())))
     align = 16 // q.element_size() if default_config().kernels.aligned_rows else 1
     return dict(stage=stage, K=slots, H=heads, D=dim, k_stride=strides[0], v_stride=strides[1],
-                shared_index=shared_index, align=align,
+                shared_index=_same_index(k_index, v_index), align=align, shared_dim=0,
                 dk_stride=heads * dim, dv_stride=heads * dim, dtype=_TL_DTYPES[q.dtype],
                 acc=_TL_DTYPES[_acc_dtype(q.dtype)], mask_form=_mask_form(mask, indptr),
                 k_indexed=k_index is not None, v_indexed=v_index is not None,
@@ -201,23 +197,45 @@ def _time_args(time: Optional[Tuple[Tensor, ...]]) -> Tuple[Tensor, ...]:
     return tuple(time) if time is not None else ()
 
 
+def _shared_kernel(kernel: _Specialized, heads: int) -> _Specialized:
+    """``kernel``, checked to hold every head in one program (a slot's shared-block gradient
+    sums over heads)."""
+    if kernel.cfg.heads_per_program < heads:
+        raise KernelError(
+            f"attention with a shared feature block needs all {heads} heads in one program "
+            f"(kernels.heads_per_program={kernel.cfg.heads_per_program}); set "
+            f"kernels.heads_per_program=0")
+    return kernel
+
+
 def _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p, seed,
-                       time: Optional[Tuple[Tensor, ...]]) -> Tuple[Tensor, Tensor]:
+                       time: Optional[Tuple[Tensor, ...]],
+                       shared: Optional[Tuple[Tensor, Tensor]] = None):
+    """``(out, lse, shared_out)``; ``shared_out`` is None without a shared block ``(sq, se)``."""
     rows, heads, dim = q.shape
     spec = _attention_spec(q, k, v, mask, indptr, k_index, v_index, dropout_p,
                            time[1].shape[0] if time is not None else 0, "forward", seed)
+    if shared is not None:
+        spec["shared_dim"] = shared[0].shape[-1]
     kernel = _kernel("temporal_attention", q.device, (spec["K"], heads, dim),
                      warp_elements=FORWARD_ELEMENTS_PER_WARP,
                      backward_mode="", write_coef=False,
                      softmax=default_config().kernels.attention_softmax, **spec)
     out = _empty_like(q)
     lse = _empty((rows, heads), _acc_dtype(q.dtype), q.device)
+    shared_out = None
+    shared_args: Tuple[Tensor, ...] = ()
+    if shared is not None:
+        _shared_kernel(kernel, heads)
+        shared_out = _empty_like(shared[0])
+        shared_args = (*shared, shared_out)
     mask_arg, indptr_arg = _mask_arg(mask, indptr, q)
     threshold, drop_scale = _dropout_args(dropout_p)
     kernel.launch(kernel.cfg.tile_grid(rows, heads), q, k, v, mask_arg, indptr_arg,
                   k_index if k_index is not None else q, v_index if v_index is not None else q,
-                  *_time_args(time), out, lse, rows, scale, seed, threshold, drop_scale)
-    return out, lse
+                  *_time_args(time), *shared_args, out, lse, rows, scale, seed, threshold,
+                  drop_scale)
+    return out, lse, shared_out
 
 
 def packed_blocks(k: Tensor, v: Tensor) -> bool:
@@ -233,8 +251,10 @@ def packed_blocks(k: Tensor, v: Tensor) -> bool:
 
 def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_index, scale,
                         dropout_p, seed, time: Optional[Tuple[Tensor, ...]],
-                        pack: bool = False):
-    """Returns ``(dq, dk, dv, ds_coef, pd_coef)``; the coefficients only with a time prologue.
+                        pack: bool = False, shared: Optional[Tuple[Tensor, ...]] = None):
+    """Returns ``(dq, dk, dv, ds_coef, pd_coef, dsq, dse)``; the coefficients only with a time
+    prologue or indexed keys/values, ``dsq, dse`` only with a shared block ``shared = (sq, se,
+    shared_out, grad_shared_out)`` (else None).
 
     With ``pack`` and keys/values that are :func:`packed_blocks`, dk and dv are the two halves
     of one ``[M, K, 2*H*d]`` buffer (views of it, laid out as the keys and values were).
@@ -243,6 +263,8 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
     mode = default_config().kernels.backward_mode
     spec = _attention_spec(q, k, v, mask, indptr, k_index, v_index, dropout_p,
                            time[1].shape[0] if time is not None else 0, "backward", seed)
+    if shared is not None:
+        spec["shared_dim"] = shared[0].shape[-1]
     packed = pack and k_index is None and v_index is None and packed_blocks(k, v)
     if packed:
         spec.update(dk_stride=2 * heads * dim, dv_stride=2 * heads * dim)
@@ -271,12 +293,20 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
         pd_coef = _empty((rows, heads, slots), acc, q.device)
     else:
         ds_coef = pd_coef = q  # unused by a kernel generated without write_coef
+    dsq = dse = None
+    shared_in: Tuple[Tensor, ...] = ()
+    shared_grads: Tuple[Tensor, ...] = ()
+    if shared is not None:
+        _shared_kernel(kernel, heads)
+        sq, se, shared_out, grad_shared_out = shared
+        dsq, dse = _empty_like(sq), _empty_like(se)
+        shared_in, shared_grads = (sq, se, shared_out), (grad_shared_out, dsq, dse)
     mask_arg, indptr_arg = _mask_arg(mask, indptr, q)
     threshold, drop_scale = _dropout_args(dropout_p)
     kernel.launch(kernel.cfg.tile_grid(rows, heads), q, k, v, mask_arg, indptr_arg,
                   k_index if k_index is not None else q, v_index if v_index is not None else q,
-                  *_time_args(time), out, grad_out, lse, dq, dk, dv, ds_coef, pd_coef, rows,
-                  scale, seed, threshold, drop_scale)
+                  *_time_args(time), *shared_in, out, grad_out, lse, dq, dk, dv, ds_coef,
+                  pd_coef, *shared_grads, rows, scale, seed, threshold, drop_scale)
     if mode == "atomic":
         dk = dk.to(k.dtype) if k_index is not None else dk
         dv = dv.to(v.dtype) if v_index is not None else dv
@@ -289,7 +319,7 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
             (dk,) = segment_reduce(((ds_coef, q),), k_index, k.shape[0], k.dtype, segments)
         if v_index is not None:
             (dv,) = segment_reduce(((pd_coef, grad_out),), v_index, v.shape[0], v.dtype, segments)
-    return dq, dk, dv, ds_coef, pd_coef
+    return dq, dk, dv, ds_coef, pd_coef, dsq, dse
 
 
 def _same_index(a: Optional[Tensor], b: Optional[Tensor]) -> bool:
@@ -301,8 +331,9 @@ def _same_index(a: Optional[Tensor], b: Optional[Tensor]) -> bool:
 def attention_forward(q, k, v, mask=None, indptr=None, *, k_index=None, v_index=None, scale,
                       dropout_p=0.0, seed=0) -> Tuple[Tensor, Tensor]:
     """Forward kernel of ``fastopt::temporal_attention``: ``(out, lse)``."""
-    return _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p, seed,
-                              None)
+    out, lse, _ = _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p,
+                                     seed, None)
+    return out, lse
 
 
 def attention_backward(grad_out, q, k, v, out, lse, mask=None, indptr=None, *, k_index=None,
@@ -310,9 +341,28 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, indptr=None, *, k
                        pack: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """Backward kernels of ``fastopt::temporal_attention``: ``(dq, dk, dv)``; ``pack``: see
     :func:`_attention_backward` (not for the custom op, whose outputs may not alias)."""
-    dq, dk, dv, _, _ = _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index,
-                                           v_index, scale, dropout_p, seed, None, pack)
+    dq, dk, dv, *_ = _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index,
+                                         v_index, scale, dropout_p, seed, None, pack)
     return dq, dk, dv
+
+
+def shared_attention_forward(q, k, v, sq, se, mask=None, indptr=None, *, k_index=None,
+                             v_index=None, scale, dropout_p=0.0,
+                             seed=0) -> Tuple[Tensor, Tensor, Tensor]:
+    """Forward kernel of ``fastopt::shared_attention``: ``(out, shared_out, lse)``."""
+    out, lse, shared_out = _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale,
+                                              dropout_p, seed, None, (sq, se))
+    return out, shared_out, lse
+
+
+def shared_attention_backward(grad_out, grad_shared_out, q, k, v, sq, se, out, shared_out, lse,
+                              mask=None, indptr=None, *, k_index=None, v_index=None, scale,
+                              dropout_p=0.0, seed=0, pack: bool = False):
+    """Backward kernels of ``fastopt::shared_attention``: ``(dq, dk, dv, dsq, dse)``."""
+    dq, dk, dv, _, _, dsq, dse = _attention_backward(
+        grad_out, q, k, v, out, lse, mask, indptr, k_index, v_index, scale, dropout_p, seed, None,
+        pack, (sq, se, shared_out, grad_shared_out))
+    return dq, dk, dv, dsq, dse
 
 
 def time_encoded_attention_forward(q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj,
@@ -320,8 +370,9 @@ def time_encoded_attention_forward(q, k, v, dt, time_w, time_b, k_time_proj, v_t
                                    dropout_p=0.0, seed=0) -> Tuple[Tensor, Tensor]:
     """Forward kernel of ``fastopt::time_encoded_attention``; the encoding stays in registers."""
     time = (dt, time_w, time_b, k_time_proj, v_time_proj)
-    return _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p, seed,
-                              time)
+    out, lse, _ = _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p,
+                                     seed, time)
+    return out, lse
 
 
 def time_encoded_attention_backward(grad_out, q, k, v, dt, time_w, time_b, k_time_proj,
@@ -336,8 +387,8 @@ def time_encoded_attention_backward(grad_out, q, k, v, dt, time_w, time_b, k_tim
     + c_v[m, h, j] (dout[m, h] . v_time_proj[t, h])``.
     """
     time = (dt, time_w, time_b, k_time_proj, v_time_proj)
-    dq, dk, dv, ck, cv = _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index,
-                                             v_index, scale, dropout_p, seed, time)
+    dq, dk, dv, ck, cv, _, _ = _attention_backward(grad_out, q, k, v, out, lse, mask, indptr,
+                                                   k_index, v_index, scale, dropout_p, seed, time)
     acc = ck.dtype
     qa, ga = q.to(acc), grad_out.to(acc)
     phase = dt.to(acc)[..., None] * time_w.to(acc) + time_b.to(acc)

@@ -7,6 +7,7 @@ backward is itself a custom op, so ``torch.compile``, fx and ``gradcheck`` see a
 ``fastopt::temporal_attention``        ``(out [M, H, d], lse [M, H])``
 ``fastopt::temporal_attention_backward``  ``(dq, dk, dv)``, dk/dv summed into table rows if indexed
 ``fastopt::time_encoded_attention``    as above, keys/values plus a time-encoding prologue
+``fastopt::shared_attention``          ``(out, shared_out, lse)``: a feature block shared by heads
 ``fastopt::masked_aggregate``          ``out [M, F...]`` and its backward
 ``fastopt::time_encode``               ``cos(dt w + b)`` and its backward
 =====================================  ==========================================================
@@ -42,6 +43,7 @@ __all__ = [
     "temporal_attention",
     "dropout_seed",
     "time_encoded_attention",
+    "shared_attention",
     "masked_aggregate",
     "time_encode",
     "linear",
@@ -244,6 +246,147 @@ def temporal_attention(
         return _EagerAttention.apply(*args)
     out, _ = torch.ops.fastopt.temporal_attention(*args)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# attention with a feature block shared by all heads
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fastopt::shared_attention", mutates_args=())
+def _shared(q: Tensor, k: Tensor, v: Tensor, sq: Tensor, se: Tensor, mask: Optional_,
+            indptr: Optional_, k_index: Optional_, v_index: Optional_, scale: float,
+            dropout_p: float, seed: int) -> Tuple[Tensor, Tensor, Tensor]:
+    args = (q, k, v, sq, se, mask, indptr)
+    kwargs = dict(k_index=k_index, v_index=v_index, scale=scale, dropout_p=dropout_p, seed=seed)
+    if select_backend(q) == "triton":
+        return _kernels().shared_attention_forward(*args, **kwargs)
+    out, shared_out, lse = reference.shared_attention_forward(*args, **kwargs)
+    return out, shared_out, lse.float() if q.dtype != torch.float64 else lse
+
+
+@_shared.register_fake
+def _shared_fake(q, k, v, sq, se, mask, indptr, k_index, v_index, scale, dropout_p, seed):
+    out, lse = _attention_fake(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p, seed)
+    return out, torch.empty_like(sq), lse
+
+
+@torch.library.custom_op("fastopt::shared_attention_backward", mutates_args=())
+def _shared_backward(grad_out: Tensor, grad_shared_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                     sq: Tensor, se: Tensor, out: Tensor, shared_out: Tensor, lse: Tensor,
+                     mask: Optional_, indptr: Optional_, k_index: Optional_, v_index: Optional_,
+                     scale: float, dropout_p: float, seed: int) -> List[Tensor]:
+    args = (grad_out, grad_shared_out, q, k, v, sq, se, out, shared_out, lse, mask, indptr)
+    kwargs = dict(k_index=k_index, v_index=v_index, scale=scale, dropout_p=dropout_p, seed=seed)
+    if select_backend(q) == "triton":
+        return list(_kernels().shared_attention_backward(*args, **kwargs))
+    return list(reference.shared_attention_backward(*args, **kwargs))
+
+
+@_shared_backward.register_fake
+def _shared_backward_fake(grad_out, grad_shared_out, q, k, v, sq, se, out, shared_out, lse, mask,
+                          indptr, k_index, v_index, scale, dropout_p, seed):
+    return [torch.empty_like(t) for t in (q, k, v, sq, se)]
+
+
+def _shared_setup(ctx, inputs, output):
+    q, k, v, sq, se, mask, indptr, k_index, v_index, scale, dropout_p, seed = inputs
+    out, shared_out, lse = output
+    ctx.save_for_backward(q, k, v, sq, se, out, shared_out, lse, mask, indptr, k_index, v_index)
+    ctx.hyper = (scale, dropout_p, seed)
+    ctx.mark_non_differentiable(lse)
+
+
+def _shared_grads(grad_out, grad_shared_out, out, shared_out):
+    """Incoming gradients, zeros for an output that got none (autograd passes None)."""
+    return (torch.zeros_like(out) if grad_out is None else grad_out.contiguous(),
+            torch.zeros_like(shared_out) if grad_shared_out is None
+            else grad_shared_out.contiguous())
+
+
+def _shared_grad(ctx, grad_out, grad_shared_out, _grad_lse):
+    q, k, v, sq, se, out, shared_out, lse, mask, indptr, k_index, v_index = ctx.saved_tensors
+    grads = torch.ops.fastopt.shared_attention_backward(
+        *_shared_grads(grad_out, grad_shared_out, out, shared_out), q, k, v, sq, se, out,
+        shared_out, lse, mask, indptr, k_index, v_index, *ctx.hyper)
+    return (*grads, None, None, None, None, None, None, None)
+
+
+_shared.register_autograd(_shared_grad, setup_context=_shared_setup)
+
+
+class _EagerShared(torch.autograd.Function):
+    """:class:`_EagerAttention` for ``fastopt::shared_attention``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sq, se, mask, indptr, k_index, v_index, scale, dropout_p, seed):
+        out, shared_out, lse = _kernels().shared_attention_forward(
+            q, k, v, sq, se, mask, indptr, k_index=k_index, v_index=v_index, scale=scale,
+            dropout_p=dropout_p, seed=seed)
+        ctx.save_for_backward(q, k, v, sq, se, out, shared_out, lse, mask, indptr, k_index,
+                              v_index)
+        ctx.hyper = (scale, dropout_p, seed.clone() if isinstance(seed, Tensor) else seed)
+        return out, shared_out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_shared_out):
+        q, k, v, sq, se, out, shared_out, lse, mask, indptr, k_index, v_index = ctx.saved_tensors
+        scale, dropout_p, seed = ctx.hyper
+        grads = _kernels().shared_attention_backward(
+            *_shared_grads(grad_out, grad_shared_out, out, shared_out), q, k, v, sq, se, out,
+            shared_out, lse, mask, indptr, k_index=k_index, v_index=v_index, scale=scale,
+            dropout_p=dropout_p, seed=seed, pack=True)
+        return (*grads, None, None, None, None, None, None, None)
+
+
+def shared_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sq: Tensor,
+    se: Tensor,
+    mask: Optional[Tensor] = None,
+    indptr: Optional[Tensor] = None,
+    *,
+    k_index: Optional[Tensor] = None,
+    v_index: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    seed: Union[int, Tensor] = 0,
+) -> Tuple[Tensor, Tensor]:
+    """Temporal attention whose keys and values carry a feature block shared by all heads.
+
+    Head ``h`` of row ``m`` attends with query ``[q[m, h] ; sq[m, h]]`` over keys
+    ``[k_j[h] ; se[m, j]]`` and values ``[v_j[h] ; se[m, j]]``; one kernel, the concatenations
+    never built. A projection ``[x_j ; e_j] W`` of keys and values whose input has a per-slot
+    part ``e_j`` (TGAT's time encoding) factors into this form (``sq = q W_e^T``, and the
+    output's ``e`` part is ``shared_out W_e``), so the ``[M, K, H, d]`` projection of ``e`` is
+    never computed. See :func:`fastopt.codegen.reference.shared_attention`.
+
+    Args:
+        q, k, v, mask, indptr, k_index, v_index, dropout_p, seed: As in
+            :func:`temporal_attention`.
+        sq: Queries' shared part ``[M, H, S]``.
+        se: The shared block of each slot ``[M, K, S]``.
+        scale: Score scale; default ``1 / sqrt(d)`` (d of ``q``, not ``d + S``).
+
+    Returns:
+        ``(out [M, H, d], shared_out [M, H, S])``; rows without a valid neighbor are zeros.
+    """
+    layout = checks.check_attention(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p,
+                                    seed)
+    checks.check_shared_block(q, sq, se, layout)
+    eager = _eager_kernels(q, k, v, sq, se, mask, indptr, k_index, v_index)
+    if isinstance(seed, Tensor) and not eager:
+        seed = int(seed.reshape(()).item()) % checks.MAX_SEED
+    args = (q.contiguous(), checks.key_rows(k, k_index is None), checks.key_rows(v, v_index is None),
+            sq.contiguous(), se.contiguous(), mask, indptr, k_index, v_index, _scale(q, scale),
+            float(dropout_p), seed if isinstance(seed, Tensor) else int(seed))
+    if eager:
+        return _EagerShared.apply(*args)
+    out, shared_out, _ = torch.ops.fastopt.shared_attention(*args)
+    return out, shared_out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,6 +33,9 @@ __all__ = [
     "time_encoded_attention",
     "time_encoded_attention_forward",
     "time_encoded_attention_backward",
+    "shared_attention",
+    "shared_attention_forward",
+    "shared_attention_backward",
     "masked_aggregate",
     "masked_aggregate_backward",
     "time_encode",
@@ -270,6 +273,100 @@ def _slot_gradients(grad_out: Tensor, q: Tensor, kd: Tensor, vd: Tensor, out: Te
 # ----------------------------------------------------------------------------------------------
 # time encoding
 # ----------------------------------------------------------------------------------------------
+
+
+def _with_shared(q: Tensor, k: Tensor, v: Tensor, sq: Tensor, se: Tensor,
+                 k_index: Optional[Tensor], v_index: Optional[Tensor]):
+    """Queries ``[q ; sq]`` and dense keys/values ``[k_j ; se_j]``, ``[v_j ; se_j]`` per head."""
+    cdt = _compute_dtype(q)
+    heads = q.shape[1]
+    block = se.to(cdt)[:, :, None, :].expand(-1, -1, heads, -1)
+    kd = torch.cat([_gather(k, k_index).to(cdt), block], -1)
+    vd = torch.cat([_gather(v, v_index).to(cdt), block], -1)
+    return torch.cat([q.to(cdt), sq.to(cdt)], -1), kd, vd
+
+
+def shared_attention_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sq: Tensor,
+    se: Tensor,
+    mask: Optional[Tensor] = None,
+    indptr: Optional[Tensor] = None,
+    *,
+    k_index: Optional[Tensor] = None,
+    v_index: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`shared_attention` that also returns the log-sum-exp: ``(out, shared_out, lse)``."""
+    dim = q.shape[-1]
+    scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
+    qa, kd, vd = _with_shared(q, k, v, sq, se, k_index, v_index)
+    out, lse = temporal_attention_forward(qa, kd, vd, mask, indptr, scale=scale,
+                                          dropout_p=dropout_p, seed=seed)
+    # copies, not views of one tensor: a custom op's outputs may not alias
+    return out[..., :dim].to(q.dtype).contiguous(), out[..., dim:].to(sq.dtype).contiguous(), lse
+
+
+def shared_attention(q: Tensor, k: Tensor, v: Tensor, sq: Tensor, se: Tensor,
+                     mask: Optional[Tensor] = None, indptr: Optional[Tensor] = None, *,
+                     k_index: Optional[Tensor] = None, v_index: Optional[Tensor] = None,
+                     scale: Optional[float] = None, dropout_p: float = 0.0,
+                     seed: int = 0) -> Tuple[Tensor, Tensor]:
+    """Temporal attention whose keys and values share a feature block across heads.
+
+    Head ``h`` of row ``m`` attends with query ``[q[m, h] ; sq[m, h]]`` over keys
+    ``[k_j[h] ; se[m, j]]`` and values ``[v_j[h] ; se[m, j]]`` (``k_j``, ``v_j`` dense or table
+    rows): the block ``se [M, K, S]`` is the same for every head. Returns ``(out [M, H, d],
+    shared_out [M, H, S])``, the two parts of the weighted sum. A key or value projection
+    ``x_j W`` whose input has a per-slot part ``e_j`` (a time encoding) factors into this form:
+    ``q . (e_j W_e) = (q W_e^T) . e_j`` and ``sum_j p_j e_j W_e = (sum_j p_j e_j) W_e``.
+    """
+    out, shared_out, _ = shared_attention_forward(q, k, v, sq, se, mask, indptr,
+                                                  k_index=k_index, v_index=v_index, scale=scale,
+                                                  dropout_p=dropout_p, seed=seed)
+    return out, shared_out
+
+
+def shared_attention_backward(
+    grad_out: Tensor,
+    grad_shared_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sq: Tensor,
+    se: Tensor,
+    out: Tensor,
+    shared_out: Tensor,
+    lse: Tensor,
+    mask: Optional[Tensor] = None,
+    indptr: Optional[Tensor] = None,
+    *,
+    k_index: Optional[Tensor] = None,
+    v_index: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv, dsq, dse)`` of :func:`shared_attention`: those of the
+    concatenated attention, the shared block's key and value parts summed over heads."""
+    dim = q.shape[-1]
+    scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
+    qa, kd, vd = _with_shared(q, k, v, sq, se, k_index, v_index)
+    cdt = qa.dtype
+    dqa, dka, dva = _slot_gradients(
+        torch.cat([grad_out.to(cdt), grad_shared_out.to(cdt)], -1), qa, kd, vd,
+        torch.cat([out.to(cdt), shared_out.to(cdt)], -1), lse, mask, indptr, scale, dropout_p,
+        seed)
+    dse = dka[..., dim:].sum(2) + dva[..., dim:].sum(2)
+    dk = _scatter(dka[..., :dim], k_index, k.shape[0])
+    dv = _scatter(dva[..., :dim], v_index, v.shape[0])
+    return (dqa[..., :dim].to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(),
+            dv.to(v.dtype).contiguous(), dqa[..., dim:].to(sq.dtype).contiguous(),
+            dse.to(se.dtype))
 
 
 def time_encode(dt: Tensor, w: Tensor, b: Tensor) -> Tensor:

@@ -150,6 +150,11 @@ class PassesConfig:
     # generated column-sum kernel rather than torch's reduction: "off", "graphs" (inside captured
     # CUDA graphs only, where its autograd node costs no host time) or "always"
     bias_grad_kernel: str = "graphs"
+    # keys and values projected from [x_j ; cos(Linear(dt_j))]: factor the time part out of the
+    # projection (q W_t^T against the encoding, the encoding's weighted sum times W_t) so the
+    # [M, K, H, d] product of the encoding is never computed: "off", "auto" (where the generated
+    # kernels run) or "always" (also through the references)
+    factor_time_encoding: str = "auto"
 
 
 @dataclass
@@ -281,6 +286,9 @@ class Config:
         _check(self.passes.fuse_time_encoding in ("off", "graphs", "always"),
                "passes.fuse_time_encoding", self.passes.fuse_time_encoding,
                "one of 'off', 'graphs', 'always'")
+        _check(self.passes.factor_time_encoding in ("off", "auto", "always"),
+               "passes.factor_time_encoding", self.passes.factor_time_encoding,
+               "one of 'off', 'auto', 'always'")
         _check(self.passes.bias_grad_kernel in ("off", "graphs", "always"),
                "passes.bias_grad_kernel", self.passes.bias_grad_kernel,
                "one of 'off', 'graphs', 'always'")

@@ -45,6 +45,7 @@ __all__ = [
     "fused_sdpa",
     "fused_masked_aggregate",
     "fused_time_encode",
+    "time_factored_attention",
     "linear_over_parts",
     "linears_over_parts",
     "column_blocks",
@@ -265,8 +266,9 @@ def _prod(sizes: Dict[str, int], letters: Sequence[str]) -> int:
 
 
 def canonical_attention(q: Tensor, k: Tensor, v: Tensor, lay: AttentionLayout, valid: Tensor, *,
-                        scale: float, dropout_p: float, empty: str,
-                        site: str = "") -> Optional[Tensor]:
+                        scale: float, dropout_p: float, empty: str, site: str = "",
+                        time_part: Optional[Tuple[Tensor, Tensor, Tensor]] = None
+                        ) -> Optional[Tensor]:
     """Run :func:`fastopt.codegen.temporal_attention` on tensors in any layout ``lay``.
 
     Args:
@@ -277,6 +279,10 @@ def canonical_attention(q: Tensor, k: Tensor, v: Tensor, lay: AttentionLayout, v
         dropout_p: Dropout probability of the attention weights (0 = none).
         empty: What rows without a valid neighbor produce: ``"zero"``, ``"nan"`` or ``"mean"``.
         site: Rewrite site, for the report.
+        time_part: ``(enc, wk, wv)``: keys and values are ``k + enc wk^T`` and ``v + enc wv^T``
+            (``enc [..., K, T]`` laid out as the keys without their head letters, ``wk, wv
+            [H*d, T]``), computed by :func:`fastopt.codegen.shared_attention` without building
+            them (see :func:`time_factored_attention`).
 
     Returns:
         The output with the letters ``lay.out``, or None when the tensors do not fit the
@@ -307,9 +313,25 @@ def canonical_attention(q: Tensor, k: Tensor, v: Tensor, lay: AttentionLayout, v
         return None
     qc, kc, vc = qc.reshape(r, h, d), kc.reshape(r, kk, h, d), vc.reshape(r, kk, h, d)
     mc = mc.reshape(r, kk)
+    if time_part is not None:
+        enc, wk, wv = time_part
+        plain = list(lay.k) == rows + [lay.slot] + heads + [lay.contracted]
+        if (empty != "zero" or not plain or tuple(enc.shape[:-1]) != tuple(k.shape[:-1 - len(heads)])
+                or wk.shape != (h * d, enc.shape[-1]) or wv.shape != wk.shape
+                or enc.dtype != qc.dtype):
+            return None
     _record(site, (kk, h, d))
     seed = codegen.dropout_seed(qc) if dropout_p > 0 else 0
-    out = codegen.temporal_attention(qc, kc, vc, mc, scale=scale, dropout_p=dropout_p, seed=seed)
+    if time_part is not None:
+        width = enc.shape[-1]
+        wk3, wv3 = wk.reshape(h, d, width), wv.reshape(h, d, width)
+        out, shared_out = codegen.shared_attention(
+            qc, kc, vc, torch.einsum("rhd,hdt->rht", qc, wk3), enc.reshape(r, kk, width), mc,
+            scale=scale, dropout_p=dropout_p, seed=seed)
+        out = out + torch.einsum("rht,hdt->rhd", shared_out, wv3)
+    else:
+        out = codegen.temporal_attention(qc, kc, vc, mc, scale=scale, dropout_p=dropout_p,
+                                         seed=seed)
     if empty != "zero":
         none = ~mc.any(1)[:, None, None]
         fill = vc.mean(1) if empty == "mean" else torch.full_like(out, float("nan"))
@@ -393,6 +415,60 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, fill_mask: Tensor, dropout=
     elif dropout_p > 0.0:
         a = F.dropout(a, dropout_p, training=True)
     return _weighted(a, v, weighted)
+
+
+def time_factored_attention(q: Tensor, fill_mask: Tensor, dropout, linears, time_linear, dt: Tensor,
+                            *parts: Tensor, kv_shape, scores: str, weighted: str,
+                            softmax_dim: int, scale_ops=(), fill: float, zeroed: bool,
+                            dropout_p: float = 0.0, attention_site: str = "",
+                            linear_site: str = "", site: str = "") -> Tensor:
+    """:func:`fused_attention` of keys and values ``Linear(cat([*parts, cos(time_linear(dt))]))``
+    viewed as ``kv_shape``, the time encoding's part of the projections factored out.
+
+    With ``e_j`` the encoding of slot j and ``W_e`` the weight columns that multiply it, the
+    scores ``q . (x_j W_x + e_j W_e)`` are ``q . x_j W_x + (q W_e^T) . e_j`` and the output's
+    ``sum_j p_j e_j W_e`` is ``(sum_j p_j e_j) W_e``: :func:`fastopt.codegen.shared_attention`
+    takes ``e`` as a block shared by the heads, and the ``[M, K, H, d]`` products of the
+    encoding (forward, input and weight gradients) are never computed. TGAT, K = 10, T = 100:
+    three products of ``M K x T x 2 H d`` become two of ``M x H d x T``. Runs the unfactored
+    computation where ``config.passes.factor_time_encoding`` or the tensors do not allow it.
+    """
+    enc = fused_time_encode(dt, time_linear)
+    shape = tuple(int(s) for s in kv_shape)
+    mode = default_config().passes.factor_time_encoding
+    p = _dropout_probability(dropout, dropout_p)
+    fuse = zeroed and (p == 0.0 or default_config().passes.fuse_dropout)
+    lay = attention_layout(scores, weighted, softmax_dim, q.dim(), len(shape), len(shape))
+    factor = (mode == "always" or (mode == "auto" and codegen.select_backend(q) == "triton"))
+    first = linears[0]
+    siblings = len(linears) == 2 and parts and all(
+        _plain_linear(lin) and lin.in_features == first.in_features and lin.weight.dtype == q.dtype
+        and (lin.bias is None) == (first.bias is None) for lin in linears)
+    if factor and fuse and siblings and isinstance(lay, AttentionLayout):
+        width = enc.shape[-1]
+        rest = linears[0].in_features - width
+        weight = torch.cat([linear.weight[:, :rest] for linear in linears])
+        bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
+        groups = _weight_groups(weight, parts)
+        if groups is None:
+            y = _projection(torch.cat(parts, dim=-1), weight, bias)
+        else:
+            y = _product_over_parts(weight, bias, parts, groups, linear_site)
+        k, v = column_blocks(y, [linear.out_features for linear in linears])
+        scale = 1.0
+        for op, c in scale_ops:
+            scale = scale * c if op == "mul" else scale / c
+        time_part = (enc, linears[0].weight[:, rest:], linears[1].weight[:, rest:])
+        out = canonical_attention(q, k.view(shape), v.view(shape), lay, ~fill_mask, scale=scale,
+                                  dropout_p=p, empty="zero", site=attention_site,
+                                  time_part=time_part)
+        if out is not None:
+            _record(site, (width,))
+            return out
+    k, v = linears_over_parts(linears, *parts, enc, site=linear_site)
+    return fused_attention(q, k.view(shape), v.view(shape), fill_mask, dropout, scores=scores,
+                           weighted=weighted, softmax_dim=softmax_dim, scale_ops=scale_ops,
+                           fill=fill, zeroed=zeroed, dropout_p=dropout_p, site=attention_site)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -554,13 +630,18 @@ def _split_groups(linear: torch.nn.Module, parts: Sequence[Tensor]
     whose widths sum to the weight's; a zero-width part needs a gradient (it would get none); or
     all parts fall in one group.
     """
+    if not _plain_linear(linear):
+        return None
+    return _weight_groups(linear.weight, parts)
+
+
+def _weight_groups(weight: Tensor, parts: Sequence[Tensor]
+                   ) -> Optional[Tuple[List[int], List[int]]]:
+    """:func:`_split_groups` of a projection by ``weight`` (any module checks done)."""
     if not default_config().passes.split_linear_inputs or not torch.is_grad_enabled():
         return None
     if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda")):
         return None
-    if not _plain_linear(linear):
-        return None
-    weight = linear.weight
     if any(not isinstance(p, Tensor) or p.dim() == 0 for p in parts):
         return None
     lead = parts[0].shape[:-1]

@@ -3,7 +3,8 @@
 Attention passes come first (each anchors on a different node kind, so their relative order only
 affects the report); masked aggregation runs after them because an attention's weighted sum is
 also a masked-looking ``(a * v).sum``; the split of Linears over concatenations after them (the
-attention matches read the projections); projection before gather runs last. ``passes/README.md``
+attention matches read the projections); projection before gather after them; then the time
+encoding factored out of key/value projections (it reads the merged projections). ``passes/README.md``
 states the invariants every pass keeps.
 
 ``fuse_time_encoding`` joins the pipeline (last) when ``config.passes.fuse_time_encoding`` is
@@ -27,7 +28,7 @@ from fastopt.passes.attention_sdpa import FuseSdpaAttention
 from fastopt.passes.manager import PassManager
 from fastopt.passes.project_before_gather import ProjectBeforeGather
 from fastopt.passes.split_linear import SplitLinearInputs
-from fastopt.passes.time_encoding import FuseTimeEncoding
+from fastopt.passes.time_encoding import FactorTimeEncoding, FuseTimeEncoding
 
 __all__ = ["PIPELINE", "default_pipeline"]
 
@@ -43,8 +44,11 @@ PIPELINE = (
 
 def default_pipeline() -> PassManager:
     """A fresh :class:`PassManager` over fresh instances of :data:`PIPELINE` (counters at zero),
-    and :class:`FuseTimeEncoding` where ``config.passes.fuse_time_encoding`` asks for it."""
+    :class:`FactorTimeEncoding` unless ``config.passes.factor_time_encoding`` is off, and
+    :class:`FuseTimeEncoding` where ``config.passes.fuse_time_encoding`` asks for it."""
     passes = [cls() for cls in PIPELINE]
+    if default_config().passes.factor_time_encoding != "off":
+        passes.append(FactorTimeEncoding())
     if _time_encoding_fuses(default_config().passes):
         passes.append(FuseTimeEncoding())
     return PassManager(passes)

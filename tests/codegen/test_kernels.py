@@ -97,6 +97,30 @@ def test_two_pass_softmax_matches_reference(case, device):
         assert torch.all(out[0] == 0), "a row without valid neighbors must give zeros"
 
 
+@pytest.mark.parametrize("case", [ATTENTION_CASES[i] for i in (0, 1, 3, 4, 9)],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_shared_attention_matches_reference(case, device):
+    """Keys and values with a feature block shared by the heads (S = 12): kernels against the
+    float64 reference, values and all five gradients, every backward mode."""
+    tensors, kwargs = _attention_inputs(case, device)
+    rows, slots, _, _, _, _, _, dropout_p, mode = case
+    gen = torch.Generator().manual_seed(9)
+    sq = randn(rows, tensors[0].shape[1], 12, generator=gen, device=device, dtype=torch.float32)
+    se = randn(rows, slots, 12, generator=gen, device=device, dtype=torch.float32)
+    inputs = (*tensors, sq, se)
+    kwargs = dict(kwargs, scale=0.3, dropout_p=dropout_p, seed=11)
+    with fconfig.patch(kernels__backward_mode=mode):
+        outs = cg.shared_attention(*inputs, **kwargs)
+        weights = [torch.randn(o.shape, generator=gen).to(o) for o in outs]
+        grads = torch.autograd.grad(sum((o * w).sum() for o, w in zip(outs, weights)), inputs)
+    doubles = [as_double(t) for t in inputs]
+    refs = reference.shared_attention(*doubles, **kwargs)
+    ref_grads = torch.autograd.grad(sum((o * w.double()).sum() for o, w in zip(refs, weights)),
+                                    doubles)
+    for got, want in zip((*outs, *grads), (*refs, *ref_grads)):
+        assert rel_error(got, want) < TOL
+
+
 @pytest.mark.parametrize("dim,two_pass", [(50, True), (100, False)])
 def test_auto_softmax_takes_two_passes_while_the_value_rows_fit(dim, two_pass):
     """"auto": two passes for K=10, H=2, d=50 on one warp (40 values per thread), the online
@@ -105,7 +129,7 @@ def test_auto_softmax_takes_two_passes_while_the_value_rows_fit(dim, two_pass):
                 dv_stride=2 * dim, dtype="tl.float32", acc="tl.float32", mask_form="mask",
                 k_indexed=True, v_indexed=True, dropout=False, dropout_bits=24, time_dim=0,
                 seed_in_memory=False, rows=1, block_m=1, block_k=16, block_d=128, block_h=2,
-                num_warps=1, gather_eviction="", write_coef=False, align=4, shared_index=True)
+                num_warps=1, gather_eviction="", write_coef=False, align=4, shared_index=True, shared_dim=0)
     forward = kernels.render("temporal_attention", stage="forward", backward_mode="", softmax="auto", **spec)
     assert ("softmax in two passes" in forward) is two_pass
     assert ("for j in tl.static_range(10)" in forward) is not two_pass
@@ -130,7 +154,7 @@ def test_aligned_rows_only_where_every_head_stays_in_its_row(dim, heads, align, 
                 k_indexed=True, v_indexed=True, dropout=False, dropout_bits=24, time_dim=0,
                 seed_in_memory=False, rows=1, block_m=1, block_k=16, block_d=128,
                 block_h=heads, num_warps=1, gather_eviction="", write_coef=False, align=align,
-                shared_index=False, softmax="auto")
+                shared_index=False, softmax="auto", shared_dim=0)
     for stage, extra in (("forward", dict(backward_mode="")),
                          ("backward", dict(backward_mode="atomic", grad_dtype="tl.float32"))):
         source = kernels.render("temporal_attention", stage=stage, **extra, **spec)

@@ -75,6 +75,56 @@ def test_opcheck_time_encoded_attention():
     torch.library.opcheck(torch.ops.fastopt.time_encoded_attention.default, args)
 
 
+def _shared_block(rows=4, slots=5, heads=2, width=3, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(5)
+    return (randn(rows, heads, width, generator=gen, device="cpu", dtype=dtype),
+            randn(rows, slots, width, generator=gen, device="cpu", dtype=dtype))
+
+
+def test_opcheck_shared_attention():
+    q, k, v, index, nbrs = _attention_args()
+    sq, se = _shared_block()
+    args = (q, k, v, sq, se, nbrs.mask, None, index, index, 0.35, 0.2, 3)
+    torch.library.opcheck(torch.ops.fastopt.shared_attention.default, args)
+
+
+def test_shared_attention_is_attention_over_the_concatenation():
+    """Head h attends with [q_h ; sq_h] over [k_j,h ; se_j] and [v_j,h ; se_j] (values and
+    gradients), and the reference passes gradcheck."""
+    q, k, v, index, nbrs = _attention_args(rows=3, slots=3, dim=3, table_rows=4)
+    sq, se = _shared_block(rows=3, slots=3)
+
+    def concatenated(q, k, v, sq, se):
+        block = se[:, :, None].expand(-1, -1, q.shape[1], -1)
+        out = cg.temporal_attention(torch.cat([q, sq], -1), torch.cat([k[index], block], -1),
+                                    torch.cat([v[index], block], -1), indptr=nbrs.indptr,
+                                    scale=0.4, dropout_p=0.3, seed=2)
+        return out[..., :q.shape[-1]], out[..., q.shape[-1]:]
+
+    def shared(q, k, v, sq, se):
+        return cg.shared_attention(q, k, v, sq, se, indptr=nbrs.indptr, k_index=index,
+                                   v_index=index, scale=0.4, dropout_p=0.3, seed=2)
+
+    inputs = (q, k, v, sq, se)
+    for a, b in zip(shared(*inputs), concatenated(*inputs)):
+        torch.testing.assert_close(a, b)
+    weights = [torch.randn(t.shape, dtype=t.dtype) for t in shared(*inputs)]
+    grads = [torch.autograd.grad(sum((o * w).sum() for o, w in zip(f(*inputs), weights)), inputs)
+             for f in (shared, concatenated)]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+    assert torch.autograd.gradcheck(shared, inputs)
+
+
+def test_bad_shared_block_names_value_and_fix():
+    q, k, v, index, nbrs = _attention_args()
+    sq, se = _shared_block()
+    with pytest.raises(KernelError, match=r"se has shape \(4, 4, 3\), expected \(4, 5, 3\)"):
+        cg.shared_attention(q, k, v, sq, se[:, :4], nbrs.mask, k_index=index, v_index=index)
+    with pytest.raises(KernelError, match="sq has dtype torch.float32 but q has torch.float64"):
+        cg.shared_attention(q, k, v, sq.float(), se, nbrs.mask, k_index=index, v_index=index)
+
+
 def test_reference_gradcheck_all_ops():
     q, k, v, index, nbrs = _attention_args(rows=3, slots=3, dim=3, table_rows=4)
     assert torch.autograd.gradcheck(

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import fastopt
+import fastopt.config as fconfig
 from fastopt.errors import FastOptError, TraceError
 from fastopt.models.layers import TemporalAttention
 from fastopt.passes import PassManager, default_pipeline, optimize_module
@@ -140,7 +141,8 @@ def test_time_encoding_fusion_by_config(mode, monkeypatch):
                                   ).fastopt_report.passes
         assert ("fuse_time_encoding" in passes) is joins, (cuda, graphs)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the pass in, CPU tensors
-    fast = fastopt.optimize(layer, config={"passes": {"fuse_time_encoding": mode}})
+    fast = fastopt.optimize(layer, config={"passes": {"fuse_time_encoding": mode,
+                                                      "factor_time_encoding": "off"}})
     monkeypatch.undo()
     assert fast.fastopt_report.count("time_encode") == 2  # the zero-Δt query and the keys
     off = fastopt.optimize(layer, config={"passes": {"fuse_time_encoding": "off"}})
@@ -155,4 +157,35 @@ def test_time_encoding_fusion_by_config(mode, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     grads = zip(torch.autograd.grad(want.sum(), params), torch.autograd.grad(got.sum(), params))
     for a, b in grads:
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_time_encoding_factored_out_of_key_value_projections(backend):
+    """TGAT's keys/values Linear(cat([h, e, cos(Linear(dt))])): the encoding's weight columns
+    are multiplied into the queries (codegen.shared_attention); outputs and every parameter's
+    gradient as eager, on the references and on the interpreted kernels; "off" leaves it."""
+    import os
+
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the kernels on the Triton interpreter")
+    torch.manual_seed(0)
+    layer = TemporalAttention(4, 3, 6, 8, num_heads=2, dropout=0.0).train()
+    config = {"passes": {"factor_time_encoding": "always"}, "kernels": {"backend": backend}}
+    fast = fastopt.optimize(layer, config=config)
+    report = fast.fastopt_report
+    assert report.count("shared_attention") == 1 and "factor_time_encoding" in report.passes
+    off = fastopt.optimize(layer, config={"passes": {"factor_time_encoding": "off"}})
+    assert "factor_time_encoding" not in off.fastopt_report.passes
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(5, 4, generator=g, requires_grad=True)
+    args = (h, torch.randn(5, 7, 4, generator=g), torch.randn(5, 7, 3, generator=g),
+            torch.rand(5, 7, generator=g) * 100, torch.rand(5, 7, generator=g) < 0.8)
+    params = [h] + list(layer.parameters())
+    want = layer(*args)
+    with fconfig.patch(**{"kernels__backend": backend}):
+        got = fast(*args)
+        got_grads = torch.autograd.grad((got * got).sum(), params)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(torch.autograd.grad((want * want).sum(), params), got_grads):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
