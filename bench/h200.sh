@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call that installs fastopt and records the GPU benchmarks and tests:
 #   FASTOPT_GIT_COMMIT=<commit> OUT=<dir> bash bench/h200.sh
+# Name the commit literally: the tree copied onto a GPU machine may carry a stale .git, so
+# $(git rev-parse HEAD) evaluated there can name an older commit than the one that runs.
 # Logs and JSON go to $OUT (gputests.log, kernels.*, optimize.*); each step has its own time limit
 # (TESTS_S, KERNELS_S, OPTIMIZE_S, BREAKDOWN_S, PROJECTIONS_S seconds) so that a slow step cannot
 # take the others' results with it. MAPPINGS: the thread mappings bench/kernels.py also times.
