@@ -12,6 +12,8 @@ Accumulation is float32 for float16/bfloat16/float32 inputs and float64 for floa
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -98,19 +100,25 @@ def _knobs() -> tuple:
 
 def _kernel(family: str, device: torch.device, problem: Tuple[int, int, int],
             derive: Callable[[KernelConfig], dict] = lambda cfg: {},
-            warp_elements: int = ELEMENTS_PER_WARP, **spec) -> _Specialized:
+            warp_elements: int = ELEMENTS_PER_WARP, all_heads: bool = False,
+            **spec) -> _Specialized:
     """The kernel of ``family`` for ``spec`` on a ``(K, H, d)`` problem, memoized per process.
 
     ``derive`` maps the thread mapping to template variables beyond the common ones (it must
     depend on nothing but the mapping and ``spec``, which are part of the memo key);
-    ``warp_elements``: the row-tile elements per warp of the heuristic mapping.
+    ``warp_elements``: the row-tile elements per warp of the heuristic mapping; ``all_heads``:
+    every head in one program, whatever the heuristic or the knobs say (a kernel that sums over
+    heads).
     """
-    key = (family, device, problem, _knobs(), warp_elements, tuple(sorted(spec.items())))
+    key = (family, device, problem, _knobs(), warp_elements, all_heads,
+           tuple(sorted(spec.items())))
     hit = _SPECIALIZED.get(key)
     if hit is None:
         cfg = heuristic_config(*problem, _capability(device),
                                row_tiles=family in _ROW_TILED_FAMILIES,
                                warp_elements=warp_elements)
+        if all_heads:
+            cfg = dataclasses.replace(cfg, heads_per_program=next_power_of_2(problem[1]))
         source = render(family, rows=cfg.rows_per_program, block_m=cfg.block_m, block_k=cfg.block_k,
                         block_d=cfg.block_d, block_h=min(cfg.heads_per_program, problem[1]),
                         num_warps=cfg.num_warps, gather_eviction=cfg.gather_eviction,
@@ -197,17 +205,6 @@ def _time_args(time: Optional[Tuple[Tensor, ...]]) -> Tuple[Tensor, ...]:
     return tuple(time) if time is not None else ()
 
 
-def _shared_kernel(kernel: _Specialized, heads: int) -> _Specialized:
-    """``kernel``, checked to hold every head in one program (a slot's shared-block gradient
-    sums over heads)."""
-    if kernel.cfg.heads_per_program < heads:
-        raise KernelError(
-            f"attention with a shared feature block needs all {heads} heads in one program "
-            f"(kernels.heads_per_program={kernel.cfg.heads_per_program}); set "
-            f"kernels.heads_per_program=0")
-    return kernel
-
-
 def _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p, seed,
                        time: Optional[Tuple[Tensor, ...]],
                        shared: Optional[Tuple[Tensor, Tensor]] = None):
@@ -217,8 +214,9 @@ def _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p
                            time[1].shape[0] if time is not None else 0, "forward", seed)
     if shared is not None:
         spec["shared_dim"] = shared[0].shape[-1]
+    # a slot's shared-block gradient sums over heads: the shared variant keeps them together
     kernel = _kernel("temporal_attention", q.device, (spec["K"], heads, dim),
-                     warp_elements=FORWARD_ELEMENTS_PER_WARP,
+                     warp_elements=FORWARD_ELEMENTS_PER_WARP, all_heads=shared is not None,
                      backward_mode="", write_coef=False,
                      softmax=default_config().kernels.attention_softmax, **spec)
     out = _empty_like(q)
@@ -226,7 +224,6 @@ def _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p
     shared_out = None
     shared_args: Tuple[Tensor, ...] = ()
     if shared is not None:
-        _shared_kernel(kernel, heads)
         shared_out = _empty_like(shared[0])
         shared_args = (*shared, shared_out)
     mask_arg, indptr_arg = _mask_arg(mask, indptr, q)
@@ -272,7 +269,8 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
     indexed = k_index is not None or v_index is not None
     write_coef = time is not None or (indexed and mode == "deterministic")
     kernel = _kernel("temporal_attention", q.device, (slots, heads, dim), backward_mode=mode,
-                     write_coef=write_coef, grad_dtype=spec["dtype"], **spec)
+                     all_heads=shared is not None, write_coef=write_coef,
+                     grad_dtype=spec["dtype"], **spec)
     acc = _acc_dtype(q.dtype)
     dq = _empty_like(q)
 
@@ -297,7 +295,6 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
     shared_in: Tuple[Tensor, ...] = ()
     shared_grads: Tuple[Tensor, ...] = ()
     if shared is not None:
-        _shared_kernel(kernel, heads)
         sq, se, shared_out, grad_shared_out = shared
         dsq, dse = _empty_like(sq), _empty_like(se)
         shared_in, shared_grads = (sq, se, shared_out), (grad_shared_out, dsq, dse)

@@ -314,9 +314,13 @@ def canonical_attention(q: Tensor, k: Tensor, v: Tensor, lay: AttentionLayout, v
     qc, kc, vc = qc.reshape(r, h, d), kc.reshape(r, kk, h, d), vc.reshape(r, kk, h, d)
     mc = mc.reshape(r, kk)
     if time_part is not None:
+        # keys and values laid out [rows, slot, heads, feature] (their H*d columns are the
+        # projection's), the encoding [rows, slot, T] at the scores' full sizes
         enc, wk, wv = time_part
-        plain = list(lay.k) == rows + [lay.slot] + heads + [lay.contracted]
-        if (empty != "zero" or not plain or tuple(enc.shape[:-1]) != tuple(k.shape[:-1 - len(heads)])
+        plain = (list(lay.k) == rows + [lay.slot] + heads + [lay.contracted]
+                 and list(lay.v) == rows + [lay.slot] + heads + [lay.feature])
+        if (empty != "zero" or not plain
+                or tuple(enc.shape[:-1]) != tuple(sizes[ch] for ch in rows + [lay.slot])
                 or wk.shape != (h * d, enc.shape[-1]) or wv.shape != wk.shape
                 or enc.dtype != qc.dtype):
             return None

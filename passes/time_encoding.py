@@ -104,6 +104,14 @@ class FactorTimeEncoding(RewritePass):
         linears, *parts = product.args
         if len(linears) != 2 or not parts:
             return "not a projection of keys and values"
+        if not attention.kwargs.get("zeroed"):
+            return ("the weights of masked slots are not zeroed after the softmax: the factored "
+                    "attention gives rows without neighbors zeros")
+        modules = [gm.get_submodule(n.target) if isinstance(n, fx.Node) and n.op == "get_attr"
+                   else None for n in linears]
+        if not all(isinstance(m, nn.Linear) for m in modules) or \
+                len({(m.in_features, m.bias is None) for m in modules}) != 1:
+            return "keys and values are not two nn.Linear of one input width, both with or without bias"
         cos = parts[-1]
         got = time_encoding_of(gm, cos) if isinstance(cos, fx.Node) else "no time encoding"
         if isinstance(got, str):

@@ -32,6 +32,8 @@ ATTENTION_CASES = [
     (8, 1, 2, 64, "csr", "indexed", "indexed", 0.0, "atomic"),
     (5, 10, 1, 50, "mask", "indexed", "indexed", 0.3, "atomic"),
     (6, 10, 2, 50, "mask", "indexed", "shared", 0.2, "deterministic"),  # one index for k and v
+    (3, 20, 2, 50, "mask", "indexed", "indexed", 0.0, "deterministic"),  # slot loop, aligned rows
+    (3, 40, 2, 100, "csr", "indexed", "indexed", 0.0, "atomic"),  # heuristic splits the heads
 ]
 
 
@@ -97,11 +99,12 @@ def test_two_pass_softmax_matches_reference(case, device):
         assert torch.all(out[0] == 0), "a row without valid neighbors must give zeros"
 
 
-@pytest.mark.parametrize("case", [ATTENTION_CASES[i] for i in (0, 1, 3, 4, 9)],
+@pytest.mark.parametrize("case", [ATTENTION_CASES[i] for i in (0, 1, 3, 4, 9, 10, 11)],
                          ids=lambda c: "-".join(map(str, c)))
 def test_shared_attention_matches_reference(case, device):
     """Keys and values with a feature block shared by the heads (S = 12): kernels against the
-    float64 reference, values and all five gradients, every backward mode."""
+    float64 reference, values and all five gradients, every backward mode; all heads share a
+    program even where the heuristic would split them (K = 40, d = 100)."""
     tensors, kwargs = _attention_inputs(case, device)
     rows, slots, _, _, _, _, _, dropout_p, mode = case
     gen = torch.Generator().manual_seed(9)

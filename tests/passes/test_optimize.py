@@ -189,3 +189,43 @@ def test_time_encoding_factored_out_of_key_value_projections(backend):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for a, b in zip(torch.autograd.grad((want * want).sum(), params), got_grads):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+class _EinsumValuesHeadFirst(nn.Module):
+    """Keys [M, K, H, d] but the weighted sum reads the values as [M, H, K, d] (K == H), or one
+    neighbor set broadcast over all rows: layouts the factored attention must not take."""
+
+    def __init__(self, broadcast: bool):
+        super().__init__()
+        self.broadcast = broadcast
+        self.t, self.q = nn.Linear(1, 3), nn.Linear(5, 12)
+        self.k, self.v = nn.Linear(8, 12), nn.Linear(8, 12)
+
+    def forward(self, h, x, dt, mask):
+        inp = torch.cat([x, torch.cos(self.t(dt.unsqueeze(-1)))], -1)
+        if self.broadcast:
+            q = self.q(h).view(4, 1, 2, 6)
+            k, v = self.k(inp).view(1, 3, 2, 6), self.v(inp).view(1, 3, 2, 6)
+            a = torch.softmax(((q * k).sum(-1) * 0.4).masked_fill(~mask[..., None], -1e9), 1)
+            return (a.masked_fill(~mask[..., None], 0.0).unsqueeze(-1) * v).sum(1)
+        q = self.q(h).view(4, 2, 6)
+        k, v = self.k(inp).view(4, 2, 2, 6), self.v(inp).view(4, 2, 2, 6)
+        m = ~mask[:, None, :]
+        a = torch.softmax(torch.einsum("bhd,bjhd->bhj", q, k).masked_fill(m, -1e9), -1)
+        return torch.einsum("bhj,bhjd->bhd", a.masked_fill(m, 0.0), v)
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_factored_time_encoding_keeps_other_layouts_exact(broadcast):
+    """Values read in another letter order than the keys, or keys shared by all rows: the
+    factored path declines at run time and the result is eager's."""
+    torch.manual_seed(0)
+    layer = _EinsumValuesHeadFirst(broadcast)
+    fast = fastopt.optimize(layer, config={"passes": {"factor_time_encoding": "always"}})
+    slots = 3 if broadcast else 2
+    lead = (1,) if broadcast else (4,)
+    g = torch.Generator().manual_seed(2)
+    args = (torch.randn(4, 5, generator=g), torch.randn(*lead, slots, 5, generator=g),
+            torch.rand(*lead, slots, generator=g) * 10, torch.rand(4, slots, generator=g) < 0.9)
+    args[3][:, 0] = True
+    torch.testing.assert_close(fast(*args), layer(*args), rtol=1e-5, atol=1e-6)
