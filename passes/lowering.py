@@ -56,7 +56,8 @@ __all__ = [
 _LETTERS = string.ascii_lowercase
 
 # Problem sizes (K, H, d) each rewrite site saw on its first call; the report reads them to show
-# the kernel configuration chosen for that shape.
+# the kernel configuration chosen for that shape. An empty record: the first call declined and
+# ran the code it replaced (the factored time encoding, whose conditions are checked per call).
 _SITE_SHAPES: Dict[str, Tuple[int, ...]] = {}
 
 
@@ -469,6 +470,7 @@ def time_factored_attention(q: Tensor, fill_mask: Tensor, dropout, linears, time
         if out is not None:
             _record(site, (width,))
             return out
+    _record(site, ())
     k, v = linears_over_parts(linears, *parts, enc, site=linear_site)
     return fused_attention(q, k.view(shape), v.view(shape), fill_mask, dropout, scores=scores,
                            weighted=weighted, softmax_dim=softmax_dim, scale_ops=scale_ops,

@@ -33,6 +33,9 @@ class Rewrite:
             return ("none (two matrix products; widths seen on the first split call)"
                     if shape is None else f"none (two matrix products over input widths "
                                           f"{shape[0]} without and {shape[1]} with gradient)")
+        if shape == ():
+            return ("none: the first call ran the code it replaces (the mode in config.passes, "
+                    "or tensors the fused operator does not take)")
         if shape is None or self.op not in ("temporal_attention",):
             return "chosen per call from config.kernels (shape not seen yet)" if shape is None \
                 else f"per call from config.kernels, first shape {shape}"

@@ -229,3 +229,4 @@ def test_factored_time_encoding_keeps_other_layouts_exact(broadcast):
             torch.rand(*lead, slots, generator=g) * 10, torch.rand(4, slots, generator=g) < 0.9)
     args[3][:, 0] = True
     torch.testing.assert_close(fast(*args), layer(*args), rtol=1e-5, atol=1e-6)
+    assert "the first call ran the code it replaces" in str(fast.fastopt_report)
