@@ -401,12 +401,9 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, fill_mask: Tensor, dropout=
     fuse = p == 0.0 or (zeroed and default_config().passes.fuse_dropout)
     lay = attention_layout(scores, weighted, softmax_dim, q.dim(), k.dim(), v.dim())
     if fuse and isinstance(lay, AttentionLayout):
-        scale = 1.0
-        for op, c in scale_ops:
-            scale = scale * c if op == "mul" else scale / c
         empty = "zero" if zeroed else ("nan" if fill == float("-inf") else "mean")
-        out = canonical_attention(q, k, v, lay, ~fill_mask, scale=scale, dropout_p=p, empty=empty,
-                                  site=site)
+        out = canonical_attention(q, k, v, lay, ~fill_mask, scale=_scale_of(scale_ops),
+                                  dropout_p=p, empty=empty, site=site)
         if out is not None:
             return out
     s = _scores(q, k, scores)
@@ -420,6 +417,14 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, fill_mask: Tensor, dropout=
     elif dropout_p > 0.0:
         a = F.dropout(a, dropout_p, training=True)
     return _weighted(a, v, weighted)
+
+
+def _scale_of(scale_ops) -> float:
+    """The one factor that the traced products and quotients by constants multiply scores by."""
+    scale = 1.0
+    for op, c in scale_ops:
+        scale = scale * c if op == "mul" else scale / c
+    return scale
 
 
 def time_factored_attention(q: Tensor, fill_mask: Tensor, dropout, linears, time_linear, dt: Tensor,
@@ -445,30 +450,18 @@ def time_factored_attention(q: Tensor, fill_mask: Tensor, dropout, linears, time
     fuse = zeroed and (p == 0.0 or default_config().passes.fuse_dropout)
     lay = attention_layout(scores, weighted, softmax_dim, q.dim(), len(shape), len(shape))
     factor = (mode == "always" or (mode == "auto" and codegen.select_backend(q) == "triton"))
-    first = linears[0]
-    siblings = len(linears) == 2 and parts and all(
-        _plain_linear(lin) and lin.in_features == first.in_features and lin.weight.dtype == q.dtype
-        and (lin.bias is None) == (first.bias is None) for lin in linears)
+    siblings = len(linears) == 2 and parts and linears[0].weight.dtype == q.dtype \
+        and _siblings(linears, (*parts, enc))
     if factor and fuse and siblings and isinstance(lay, AttentionLayout):
-        width = enc.shape[-1]
-        rest = linears[0].in_features - width
-        weight = torch.cat([linear.weight[:, :rest] for linear in linears])
-        bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
-        groups = _weight_groups(weight, parts)
-        if groups is None:
-            y = _projection(torch.cat(parts, dim=-1), weight, bias)
-        else:
-            y = _product_over_parts(weight, bias, parts, groups, linear_site)
-        k, v = column_blocks(y, [linear.out_features for linear in linears])
-        scale = 1.0
-        for op, c in scale_ops:
-            scale = scale * c if op == "mul" else scale / c
+        rest = linears[0].in_features - enc.shape[-1]
+        k, v = _stacked_product([linear.weight[:, :rest] for linear in linears], linears, parts,
+                                linear_site)
         time_part = (enc, linears[0].weight[:, rest:], linears[1].weight[:, rest:])
-        out = canonical_attention(q, k.view(shape), v.view(shape), lay, ~fill_mask, scale=scale,
-                                  dropout_p=p, empty="zero", site=attention_site,
-                                  time_part=time_part)
+        out = canonical_attention(q, k.view(shape), v.view(shape), lay, ~fill_mask,
+                                  scale=_scale_of(scale_ops), dropout_p=p, empty="zero",
+                                  site=attention_site, time_part=time_part)
         if out is not None:
-            _record(site, (width,))
+            _record(site, (enc.shape[-1],))
             return out
     _record(site, ())
     k, v = linears_over_parts(linears, *parts, enc, site=linear_site)
@@ -698,13 +691,21 @@ def linears_over_parts(linears: Sequence[torch.nn.Linear], *parts: Tensor,
     ``config.passes.merge_sibling_linears`` is off or they cannot be stacked (another class or
     hooks, other input widths, dtypes or devices, biases on some only).
     """
-    if not _stackable(linears, parts):
+    if not default_config().passes.merge_sibling_linears or not _siblings(linears, parts):
         return tuple(linear_over_parts(linear, *parts, site=site) for linear in linears)
-    weight = torch.cat([linear.weight for linear in linears])
+    return _stacked_product([linear.weight for linear in linears], linears, parts, site)
+
+
+def _stacked_product(weights: Sequence[Tensor], linears: Sequence[torch.nn.Linear],
+                     parts: Sequence[Tensor], site: str) -> Tuple[Tensor, ...]:
+    """The column blocks of ``F.linear(cat(parts), cat(weights), cat(biases))``: sibling
+    projections (or column slices ``weights`` of their weights) as one product, split over the
+    parts as :func:`linear_over_parts` splits them."""
+    weight = torch.cat(list(weights))
     bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
-    groups = _split_groups(linears[0], parts)
+    groups = _weight_groups(weight, parts)
     if groups is None:
-        y = _projection(torch.cat(parts, dim=-1), weight, bias)
+        y = _projection(torch.cat(list(parts), dim=-1), weight, bias)
     else:
         y = _product_over_parts(weight, bias, parts, groups, site)
     return column_blocks(y, [linear.out_features for linear in linears])
@@ -760,8 +761,10 @@ class _ColumnBlocks(torch.autograd.Function):
         return whole, None
 
 
-def _stackable(linears: Sequence[torch.nn.Module], parts: Sequence[Tensor]) -> bool:
-    if not default_config().passes.merge_sibling_linears or len(linears) < 2:
+def _siblings(linears: Sequence[torch.nn.Module], parts: Sequence[Tensor]) -> bool:
+    """Whether ``linears`` (two or more) can multiply ``parts`` as one stacked product: plain
+    Linears of one input width, dtype and device, all with or all without bias."""
+    if len(linears) < 2:
         return False
     first = linears[0]
     for linear in linears:

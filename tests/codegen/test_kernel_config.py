@@ -57,6 +57,7 @@ def test_knobs_override_heuristics():
     (KernelConfig(block_d=32), "block_d=32 is below the head dimension d=50; use block_d=64"),
     (KernelConfig(block_d=64, num_warps=0), "num_warps=0 must be >= 1"),
     (KernelConfig(block_d=64, gather_eviction="evict_first"), "gather_eviction='evict_first' is not"),
+    (KernelConfig(block_d=64, max_registers=300), r"max_registers=300 is outside \[24, 255\]; use 0"),
 ])
 def test_invalid_mapping_names_value_and_fix(cfg, match):
     with pytest.raises(KernelError, match=match):
@@ -67,3 +68,12 @@ def test_config_rejects_unknown_backend():
     with pytest.raises(ConfigError, match="kernels.backend"):
         with fconfig.patch(kernels__backend="cuda"):
             pass
+
+
+def test_config_rejects_register_caps_outside_the_hardware_range():
+    with pytest.raises(ConfigError, match=r"kernels.max_registers must be 0 .* or in \[24, 255\] \(got 8\)"):
+        with fconfig.patch(kernels__max_registers=8):
+            pass
+    with fconfig.patch(kernels__max_registers=64):
+        assert heuristic_config(10, 2, 50).max_registers == 64
+    assert heuristic_config(10, 2, 50).max_registers == 0
