@@ -1,4 +1,4 @@
-"""``fastopt`` command line: ``train`` and ``data info|synth``."""
+"""``fastopt`` command line: ``train``, ``bench`` and ``data info|synth``."""
 
 from __future__ import annotations
 
@@ -30,8 +30,34 @@ def _add_train(sub) -> None:
     p.add_argument("--log", default=None, help="JSON-lines metrics log")
     p.add_argument("--checkpoint-dir", default=None, help="write checkpoint.pt here after every epoch")
     p.add_argument("--resume", default=None, help="continue from this checkpoint.pt")
+    p.add_argument("--no-optimize", action="store_true",
+                   help="train the eager model (default: fastopt.optimize on CUDA, eager on the CPU)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_train)
+
+
+def _add_bench(sub) -> None:
+    from fastopt.benchmark import CONTENDERS
+
+    p = sub.add_parser("bench", help="fastopt against eager, torch.compile, TGL's data path and PyG, one run")
+    p.add_argument("--dataset", default="wikipedia", help="built-in name (wikipedia) or a path to an event file")
+    p.add_argument("--model", default="tgn", help="tgn, tgat, jodie or apan")
+    p.add_argument("--batch-size", type=int, default=600, help="positive events per batch (default 600)")
+    p.add_argument("--epochs", type=int, default=3, help="epochs per contender; the steady time is the "
+                   "median after the first (default 3)")
+    p.add_argument("--device", default=None, help="auto, cpu or cuda[:N] (default auto)")
+    p.add_argument("--seed", type=int, default=None, help="seed of every random choice (default 0)")
+    p.add_argument("--edge-dim", type=int, default=172,
+                   help="random edge features of this width when the data has none (default 172)")
+    p.add_argument("--node-dim", type=int, default=None, help="random node features of this width")
+    p.add_argument("--contenders", default=",".join(CONTENDERS),
+                   help=f"comma-separated, from {', '.join(CONTENDERS)} (default all)")
+    p.add_argument("--mrr-negatives", type=int, default=0, help="negatives per positive for test MRR (default 0)")
+    p.add_argument("--config", default=None, help="JSON file of config values (see `Config.to_json`)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="write a bar chart (PNG) here (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_bench, no_optimize=False, lr=None)
 
 
 def _add_data(sub) -> None:
@@ -64,6 +90,8 @@ def _build_config(args):
         value = getattr(args, flag)
         if value is not None:
             cfg.set(f"train.{key}", value)
+    if args.no_optimize:
+        cfg.set("train.optimize", "off")
     return cfg
 
 
@@ -108,6 +136,63 @@ def _print_epoch(record: dict) -> None:
           flush=True)
 
 
+def _cmd_bench(args) -> int:
+    import platform
+
+    import torch
+
+    from fastopt import __version__
+    from fastopt.benchmark import format_table, plot, run_bench, timestamp
+    from fastopt.data import load_dataset
+
+    cfg = _build_config(args)
+    tc = cfg.train
+    graph = load_dataset(args.dataset, edge_dim=tc.edge_dim, node_dim=tc.node_dim, seed=tc.seed)
+    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    from fastopt.trainer import resolve_device
+
+    device = resolve_device(tc.device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    print(f"fastopt bench: {args.model} on {graph.name} ({graph.num_events:,} events, edge dim "
+          f"{graph.edge_dim}), batch {tc.batch_size}, {args.epochs} epoch(s) each, on {device} ({gpu})",
+          flush=True)
+    results = run_bench(graph, args.model, cfg, contenders, epochs=args.epochs,
+                        progress=not args.no_progress, log=lambda line: print(line, flush=True))
+    print()
+    print(format_table(results))
+    if args.json:
+        from pathlib import Path
+
+        record = {"date": timestamp(), "device": str(device), "gpu": gpu, "torch": torch.__version__,
+                  "fastopt": __version__, "git_commit": _git_commit(),
+                  "command": "fastopt " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("fastopt") else " ".join(sys.argv),
+                  "dataset": graph.name, "model": args.model, "batch_size": tc.batch_size,
+                  "epochs": args.epochs, "edge_dim": graph.edge_dim, "config": cfg.to_dict(),
+                  "results": [r.to_dict() for r in results]}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=2, default=float))
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(results, args.plot, f"{args.model} on {graph.name}, batch {tc.batch_size}, {gpu}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _git_commit() -> str:
+    """``$FASTOPT_GIT_COMMIT`` or the checkout's HEAD (``unknown`` outside a checkout)."""
+    import os
+    import subprocess
+
+    if os.environ.get("FASTOPT_GIT_COMMIT"):
+        return os.environ["FASTOPT_GIT_COMMIT"]
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def _cmd_info(args) -> int:
     from fastopt.data import load_dataset
 
@@ -138,6 +223,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="fastopt", description="fast temporal GNN training")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_train(sub)
+    _add_bench(sub)
     _add_data(sub)
     args = parser.parse_args(argv)
     try:

@@ -48,6 +48,7 @@ __all__ = [
     "Config",
     "default_config",
     "patch",
+    "resolve_config",
 ]
 
 
@@ -61,12 +62,17 @@ class SamplerConfig:
     pin_threads: bool = False
     # treat every event as two directed edges (src->dst and dst->src)
     undirected: bool = True
-    # compute within-batch unique node/edge ids with inverse indices in the sampler (for SlimCache)
+    # move a batch's unique feature rows only (False: every sampled slot's row, duplicates included)
     dedup: bool = True
 
 
 @dataclass
 class CacheConfig:
+    # where static features live: "device" (whole tables on the GPU), "host" (gathered on the host,
+    # copied per batch through the budgeted cache) or "auto" (device when they fit, else host)
+    placement: str = "auto"
+    # "auto" placement: the share of the device's free memory the static tables may take
+    device_budget_fraction: float = 0.5
     # GPU cache budget as a fraction of the cached tables' bytes (0 = dedup only, 1 = all)
     budget_fraction: float = 0.1
     # eviction policy: "static", "lru", "future" (Belady with the sampler's lookahead) or "auto"
@@ -163,7 +169,7 @@ class PassesConfig:
 class PipelineConfig:
     # batches whose neighborhoods are sampled ahead of the one being trained (0 = in the loop)
     prefetch_depth: int = 2
-    # sample on a background thread (the compiled sampler runs without the GIL)
+    # sample and stage batches on a background thread (the compiled sampler runs without the GIL)
     async_sampling: bool = True
 
 
@@ -185,6 +191,9 @@ class TrainConfig:
     edge_dim: int = 0
     # width of deterministic random node features for datasets without them (0 = none)
     node_dim: int = 0
+    # run the model through fastopt.optimize: "auto" (on CUDA, where the fused kernels and CUDA
+    # graphs pay; on the CPU the eager model is faster), "on" or "off"
+    optimize: str = "auto"
 
 
 @dataclass
@@ -252,6 +261,12 @@ class Config:
         _check(self.sampler.threads >= 0, "sampler.threads", self.sampler.threads, ">= 0 (0 = all cores)")
         _check(self.sampler.reorder in ("none", "degree", "rcm"), "sampler.reorder",
                self.sampler.reorder, "one of 'none', 'degree', 'rcm'")
+        _check(self.cache.placement in ("auto", "device", "host"), "cache.placement",
+               self.cache.placement, "one of 'auto', 'device', 'host'")
+        _check(0.0 < self.cache.device_budget_fraction <= 1.0, "cache.device_budget_fraction",
+               self.cache.device_budget_fraction, "in (0, 1]")
+        _check(self.train.optimize in ("auto", "on", "off"), "train.optimize", self.train.optimize,
+               "one of 'auto' (on CUDA), 'on', 'off'")
         _check(0.0 <= self.cache.budget_fraction <= 1.0, "cache.budget_fraction",
                self.cache.budget_fraction, "in [0, 1]")
         _check(self.cache.policy in ("static", "lru", "future", "auto"), "cache.policy",
@@ -313,6 +328,18 @@ class Config:
 
 def _group_names() -> list[str]:
     return [f.name for f in dataclasses.fields(Config)]
+
+
+def resolve_config(config: Any) -> Config:
+    """``"auto"``/None (a copy of :func:`default_config`), a :class:`Config` (validated) or a dict."""
+    if config is None or (isinstance(config, str) and config == "auto"):
+        return default_config().copy()
+    if isinstance(config, Config):
+        config.validate()
+        return config
+    if isinstance(config, dict):
+        return Config.from_dict(config)
+    raise ConfigError(f"config must be 'auto', a fastopt.Config or a dict (got {type(config).__name__})")
 
 
 def _check(ok: bool, name: str, value: Any, limit: str) -> None:

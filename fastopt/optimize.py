@@ -7,10 +7,9 @@ from typing import Union
 
 from torch import nn
 
-from fastopt.config import Config, default_config, patch
+from fastopt.config import Config, default_config, patch, resolve_config
 from fastopt.errors import TraceError
 from fastopt.passes import optimize_module
-from fastopt.trainer import _resolve_config
 
 __all__ = ["optimize"]
 
@@ -60,7 +59,7 @@ def optimize(model: nn.Module, *, config: Union[str, Config, dict, None] = "auto
     if not isinstance(model, nn.Module):
         raise TraceError(f"optimize expects a torch.nn.Module (got {type(model).__name__}); "
                          f"wrap the function in an nn.Module")
-    cfg = _resolve_config(config)
+    cfg = resolve_config(config)
     changes = _changes(cfg)
     # the passes read the configuration too (fuse_time_encoding, decided when optimizing)
     with patch(**changes) if changes else contextlib.nullcontext():

@@ -10,26 +10,25 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import defaultdict, deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from fastopt.config import Config, default_config
+from fastopt.config import Config, resolve_config
 from fastopt.data import TemporalGraph
 from fastopt.errors import ConfigError, FastOptError
 from fastopt.metrics import average_precision, mrr, roc_auc
-from fastopt.models.base import GraphInputs, TGNNModel
+from fastopt.runtime.inputs import GraphInputs
+from fastopt.runtime.loader import EventBatch, Loader, NegativeSampler, StageTimer
 
-__all__ = ["Trainer", "EventBatch", "resolve_device", "make_sampler", "NegativeSampler"]
+__all__ = ["Trainer", "EventBatch", "resolve_device", "make_sampler", "make_optimizer", "NegativeSampler"]
 
 STAGES = ("sample", "gather", "forward", "backward", "update")
-_SPLIT_IDS = {"train": 0, "val": 1, "test": 2}
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -63,19 +62,18 @@ def make_sampler(graph: TemporalGraph, fanouts, strategy: str, config: Config):
     return NumpySampler(graph, fanouts, strategy, seed=config.train.seed, undirected=config.sampler.undirected)
 
 
-class NegativeSampler:
-    """Uniform negative destinations, a pure function of (seed, epoch, split, batch index).
+def make_optimizer(params, lr: float, device: torch.device) -> torch.optim.Optimizer:
+    """Adam; on CUDA the fused implementation (one launch per group of tensors, steps kept on the
+    device, so an optimizer step never waits for the host)."""
+    if device.type == "cuda":
+        return torch.optim.Adam(params, lr=lr, fused=True)
+    return torch.optim.Adam(params, lr=lr)
 
-    Drawing per batch from its own key keeps negatives identical across resumes and orderings.
-    """
 
-    def __init__(self, pool: np.ndarray, seed: int) -> None:
-        self.pool = np.asarray(pool, dtype=np.int64)
-        self.seed = seed
-
-    def draw(self, n: int, epoch: int, split: str, batch: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, epoch, _SPLIT_IDS[split], batch])
-        return self.pool[rng.integers(0, self.pool.size, size=n)]
+def wants_optimize(config: Config, device: torch.device) -> bool:
+    """Whether ``config.train.optimize`` asks for :func:`fastopt.optimize` on ``device``."""
+    mode = config.train.optimize
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
 @dataclass
@@ -86,42 +84,21 @@ class EpochStats:
     events_per_s: float = 0.0
     stages: dict = field(default_factory=dict)
     val: dict = field(default_factory=dict)
-
-
-@dataclass
-class EventBatch:
-    """One chronological batch: its positive events, negatives, roots and (once sampled) neighbors.
-
-    Roots are ``[src, dst, neg, extra.ravel()]`` at the events' times; ``extra`` holds the MRR
-    negatives ``[B, n]`` of an evaluation batch.
-    """
-
-    index: int
-    start: int
-    stop: int
-    src: np.ndarray
-    dst: np.ndarray
-    ts: np.ndarray
-    neg: np.ndarray
-    extra: Optional[np.ndarray] = None
-    sampled: Optional[object] = None
-
-    @property
-    def roots(self) -> np.ndarray:
-        parts = [self.src, self.dst, self.neg] + ([self.extra.reshape(-1)] if self.extra is not None else [])
-        return np.concatenate(parts)
-
-    @property
-    def times(self) -> np.ndarray:
-        copies = 3 + (self.extra.shape[1] if self.extra is not None else 0)
-        return np.tile(self.ts, copies)
+    bytes_h2d: int = 0
 
 
 class Trainer:
     """Train a TGNN for link prediction on a temporal graph.
 
+    The data path is :class:`~fastopt.runtime.Loader` (sampling and staging ahead of the step on a
+    background thread, features where ``cache.placement`` puts them); the model runs through
+    :func:`fastopt.optimize` when ``config.train.optimize`` asks for it (``"auto"``: on CUDA).
+    A step never waits for the host: losses and scores stay on the device until the end of the
+    epoch, stage times come from CUDA events, and Adam is the fused one on CUDA.
+
     Args:
-        model: a :class:`~fastopt.models.TGNNModel` (or what :func:`fastopt.optimize` returned).
+        model: a :class:`~fastopt.models.TGNNModel` (or what :func:`fastopt.optimize` returned, or
+            ``torch.compile`` of one).
         graph: the event stream with its chronological split.
         config: ``"auto"`` (defaults and ``FASTOPT_*`` overrides), a :class:`Config`, or a dict.
         log_path: JSON-lines file receiving one record per epoch and the final test metrics.
@@ -129,95 +106,39 @@ class Trainer:
         progress: show a progress bar.
     """
 
-    def __init__(self, model: TGNNModel, graph: TemporalGraph, config: Union[str, Config, dict, None] = "auto",
+    def __init__(self, model: nn.Module, graph: TemporalGraph, config: Union[str, Config, dict, None] = "auto",
                  *, log_path: Optional[Union[str, os.PathLike]] = None,
                  checkpoint_dir: Optional[Union[str, os.PathLike]] = None, progress: bool = True) -> None:
-        self.config = _resolve_config(config)
+        self.config = resolve_config(config)
         self.graph = graph
         tc = self.config.train
         self.device = resolve_device(tc.device)
-        self.model = model.to(self.device)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=tc.lr)
+        model = model.to(self.device)
+        if wants_optimize(self.config, self.device) and not hasattr(model, "fastopt_report"):
+            from fastopt.optimize import optimize
+
+            model = optimize(model, config=self.config)
+        self.model = model
+        self.optimizer = make_optimizer(self.model.parameters(), tc.lr, self.device)
         self.sampler = make_sampler(graph, list(getattr(model, "fanouts", [])),
                                     getattr(model, "strategy", "recent"), self.config)
-        self.negatives = NegativeSampler(graph.destination_pool(), tc.seed)
+        self.loader = Loader(graph, self.sampler, self.device, self.config)
+        self.negatives = self.loader.negatives
         self.log_path = Path(log_path) if log_path else None
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.progress = progress
         self.epoch = 0
         self.history: list = []
         self.test_metrics: dict = {}
-        dev = self.device
-        self._node_feat = torch.from_numpy(graph.node_feat).to(dev) if graph.node_feat is not None else None
-        self._edge_feat = torch.from_numpy(graph.edge_feat).to(dev) if graph.edge_feat is not None else None
 
-    # ----------------------------------------------------------------------------- gathering
-    def _feat(self, table: Optional[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
-        if table is None:
-            return torch.zeros(*ids.shape, 0, device=self.device)
-        return table[ids.to(self.device).clamp(min=0)]
+    # ----------------------------------------------------------------------------- inputs
+    def build_inputs(self, roots: np.ndarray, times: np.ndarray) -> GraphInputs:
+        """Everything the model needs for ``roots`` at ``times``, sampled and on the device."""
+        return self.loader.inputs_for(roots, times)
 
-    def build_inputs(self, roots: np.ndarray, times: np.ndarray, timer=None, sampled=None) -> GraphInputs:
-        """Gather everything the model needs for ``roots`` at ``times`` (sampling them first unless
-        ``sampled`` holds their neighborhoods already)."""
-        timer = timer or _Timer(self.device)
-        dev = self.device
-        batch = sampled
-        if batch is None and self.sampler is not None:
-            with timer("sample"):
-                batch = self.sampler.sample(roots, times)
-        with timer("gather"):
-            roots_t = torch.from_numpy(roots).to(dev)
-            nodes, ntimes = [roots_t], [torch.from_numpy(times).to(dev)]
-            edge_feat, dt, mask = [], [], []
-            for block in batch.blocks if batch is not None else []:
-                nodes.append(block.nbr_nodes.reshape(-1).to(dev, non_blocking=True))
-                ntimes.append(block.nbr_times.reshape(-1).to(dev, non_blocking=True))
-                edge_feat.append(self._feat(self._edge_feat, block.nbr_eids))
-                dt.append(block.dt.to(dev, non_blocking=True))
-                mask.append(block.mask.to(dev, non_blocking=True))
-            node_feat = [self._feat(self._node_feat, n) for n in nodes]
-        return GraphInputs(nodes, ntimes, node_feat, edge_feat, dt, mask)
-
-    def plan(self, split: str, epoch: int, mrr_negatives: int = 0) -> Iterator[EventBatch]:
+    def plan(self, split: str, epoch: int, mrr_negatives: int = 0):
         """The batches of ``split`` in chronological order, with their negatives (not yet sampled)."""
-        g, size = self.graph, self.config.train.batch_size
-        r = g.split_range(split)
-        for b, start in enumerate(range(r.start, r.stop, size)):
-            stop = min(start + size, r.stop)
-            n = stop - start
-            extra = None
-            if mrr_negatives:
-                extra = self.negatives.draw(n * mrr_negatives, epoch, split, b + 1_000_000).reshape(n, mrr_negatives)
-            yield EventBatch(b, start, stop, g.src[start:stop], g.dst[start:stop], g.ts[start:stop],
-                             self.negatives.draw(n, epoch, split, b), extra)
-
-    def _sampled(self, batches: Iterator[EventBatch], timer) -> Iterator[EventBatch]:
-        """``batches`` with their neighborhoods sampled.
-
-        With ``pipeline.async_sampling`` a background thread samples up to
-        ``pipeline.prefetch_depth`` batches ahead of the one being trained (neighborhoods never
-        depend on training state, and the compiled sampler runs without the GIL); the time the
-        training loop still waits for a batch is charged to the ``sample`` stage.
-        """
-        pipe = self.config.pipeline
-        if self.sampler is None:
-            yield from batches
-            return
-        if not pipe.async_sampling or pipe.prefetch_depth == 0:
-            for batch in batches:
-                with timer("sample"):
-                    batch.sampled = self.sampler.sample(batch.roots, batch.times)
-                yield batch
-            return
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastopt-sampler") as pool:
-            ahead = deque()
-            for batch in batches:
-                ahead.append((batch, pool.submit(self.sampler.sample, batch.roots, batch.times)))
-                if len(ahead) > pipe.prefetch_depth:
-                    yield _collect(ahead.popleft(), timer)
-            while ahead:
-                yield _collect(ahead.popleft(), timer)
+        return self.loader.plan(split, epoch, mrr_negatives)
 
     # ----------------------------------------------------------------------------- training
     def fit(self, epochs: Optional[int] = None, *, resume: Optional[Union[str, os.PathLike]] = None,
@@ -249,30 +170,34 @@ class Trainer:
 
     def train_epoch(self, epoch: int) -> EpochStats:
         """One pass over the training events in chronological batches."""
-        model, cfg = self.model, self.config.train
+        model = self.model
         model.train()
         model.reset_state()
         if self.sampler is not None:
             self.sampler.reset(epoch)
-        timer = _Timer(self.device)
+        timer = StageTimer(self.device)
         split = self.graph.split_range("train")
-        total_loss, t0 = 0.0, time.perf_counter()
-        bar = _progress(self._sampled(self.plan("train", epoch), timer), f"epoch {epoch}", self.progress,
-                        total=-(-(split.stop - split.start) // cfg.batch_size))
-        for batch in bar:
-            loss = self._step(batch, timer, train=True)
-            total_loss += loss * (batch.stop - batch.start)
-            if self.progress and batch.index % 10 == 0:
-                elapsed = time.perf_counter() - t0
-                bar.set_postfix(loss=f"{loss:.4f}", ev_s=f"{(batch.stop - split.start) / max(elapsed, 1e-9):,.0f}")
+        total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        moved = self.loader.bytes_moved()
+        t0 = time.perf_counter()
+        with self.loader.epoch("train", epoch, timer=timer) as batches:
+            bar = _progress(batches, f"epoch {epoch}", self.progress, total=self.loader.num_batches("train"))
+            for batch in bar:
+                loss = self._step(batch, timer, train=True)
+                total_loss += loss.double() * batch.size
+                if not getattr(bar, "disable", True) and batch.index % 25 == 0:
+                    elapsed = time.perf_counter() - t0  # reading the loss waits for the device: rarely
+                    bar.set_postfix(loss=f"{float(loss):.4f}",
+                                    ev_s=f"{(batch.stop - split.start) / max(elapsed, 1e-9):,.0f}")
+        mean_loss = float(total_loss)  # the epoch's one wait for the device
         seconds = time.perf_counter() - t0
         n = split.stop - split.start
-        return EpochStats(epoch, total_loss / max(n, 1), seconds, n / seconds, dict(timer.totals))
+        return EpochStats(epoch, mean_loss / max(n, 1), seconds, n / seconds, timer.totals(),
+                          bytes_h2d=self.loader.bytes_moved() - moved)
 
-    def _step(self, batch: EventBatch, timer, train: bool):
-        model, dev = self.model, self.device
-        b, extra_neg = batch.src.shape[0], batch.extra
-        inputs = self.build_inputs(batch.roots, batch.times, timer, sampled=batch.sampled)
+    def _step(self, batch: EventBatch, timer: StageTimer, train: bool):
+        model, inputs = self.model, batch.inputs
+        b, extra_neg = batch.size, batch.extra
         with timer("forward"):
             # the module call, not .embed(): an optimized model's CUDA graphs wrap its forward
             h = model(inputs)
@@ -292,13 +217,11 @@ class Trainer:
                 loss.backward()
                 self.optimizer.step()
         with timer("update"):
-            eids = torch.arange(batch.start, batch.stop, device=dev)
-            efeat = self._feat(self._edge_feat, eids)
-            model.commit(torch.from_numpy(batch.src).to(dev), torch.from_numpy(batch.dst).to(dev),
-                         torch.from_numpy(batch.ts).to(dev), efeat)
+            roots, ts = inputs.nodes[0], inputs.times[0]
+            model.commit(roots[:b], roots[b : 2 * b], ts[:b], batch.event_feat)
         if train:
-            return float(loss.detach())
-        return pos.detach().cpu().numpy(), negs.detach().cpu().numpy(), None if extra is None else extra.cpu().numpy()
+            return loss.detach()
+        return pos.detach(), negs.detach(), None if extra is None else extra.detach()
 
     # ----------------------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -308,20 +231,18 @@ class Trainer:
         The model's memory continues from wherever it is (after training for ``"val"``, after
         validation for ``"test"``), as in chronological evaluation.
         """
-        model, cfg = self.model, self.config.train
+        model = self.model
         model.eval()
-        rng_split = self.graph.split_range(split)
         pos_all, neg_all, extra_all = [], [], []
-        timer = _Timer(self.device)
-        batches = self._sampled(self.plan(split, self.epoch, mrr_negatives), timer)
-        for batch in _progress(batches, f"eval {split}", self.progress,
-                               total=-(-(rng_split.stop - rng_split.start) // cfg.batch_size)):
-            pos, negs, ext = self._step(batch, timer, train=False)
-            pos_all.append(pos)
-            neg_all.append(negs)
-            if ext is not None:
-                extra_all.append(ext)
-        pos, negs = np.concatenate(pos_all), np.concatenate(neg_all)
+        timer = StageTimer(self.device)
+        with self.loader.epoch(split, self.epoch, mrr_negatives, timer=timer) as batches:
+            for batch in _progress(batches, f"eval {split}", self.progress, total=self.loader.num_batches(split)):
+                pos, negs, ext = self._step(batch, timer, train=False)
+                pos_all.append(pos)
+                neg_all.append(negs)
+                if ext is not None:
+                    extra_all.append(ext)
+        pos, negs = torch.cat(pos_all).cpu().numpy(), torch.cat(neg_all).cpu().numpy()
         labels = np.r_[np.ones_like(pos), np.zeros_like(negs)]
         scores = np.r_[pos, negs]
         out = {"ap": average_precision(labels, scores), "auc": roc_auc(labels, scores)}
@@ -331,7 +252,7 @@ class Trainer:
             out["ap_inductive"] = average_precision(labels[mask], scores[mask])
             out["auc_inductive"] = roc_auc(labels[mask], scores[mask])
         if extra_all:
-            out["mrr"] = mrr(pos, np.concatenate(extra_all))
+            out["mrr"] = mrr(pos, torch.cat(extra_all).cpu().numpy())
         return out
 
     # ----------------------------------------------------------------------------- checkpoints
@@ -374,20 +295,10 @@ class Trainer:
             f.write(json.dumps(record, default=float) + "\n")
 
 
-def _resolve_config(config) -> Config:
-    if config is None or config == "auto":
-        return default_config().copy()
-    if isinstance(config, Config):
-        config.validate()
-        return config
-    if isinstance(config, dict):
-        return Config.from_dict(config)
-    raise ConfigError(f"config must be 'auto', a fastopt.Config or a dict (got {type(config).__name__})")
-
-
 def _as_dict(stats: EpochStats) -> dict:
     return {"epoch": stats.epoch, "loss": stats.loss, "seconds": stats.seconds,
-            "events_per_s": stats.events_per_s, "stages": stats.stages, "val": stats.val}
+            "events_per_s": stats.events_per_s, "stages": stats.stages, "bytes_h2d": stats.bytes_h2d,
+            "val": stats.val}
 
 
 def _progress(iterable, desc: str, enabled: bool, total: Optional[int] = None):
@@ -399,15 +310,9 @@ def _progress(iterable, desc: str, enabled: bool, total: Optional[int] = None):
     return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True, disable=None)
 
 
-def _collect(pending, timer) -> EventBatch:
-    """Wait for a prefetched batch's neighborhoods; the wait is what sampling still costs."""
-    batch, future = pending
-    with timer("sample"):
-        batch.sampled = future.result()
-    return batch
-
-
 class _Quiet:
+    disable = True
+
     def __init__(self, iterable) -> None:
         self._it = iterable
 
@@ -416,28 +321,3 @@ class _Quiet:
 
     def set_postfix(self, **kwargs) -> None:
         pass
-
-
-class _Timer:
-    """Accumulates wall time per stage; synchronizes CUDA so GPU work is charged to its stage."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.totals = defaultdict(float)
-        self._sync = device.type == "cuda"
-
-    def __call__(self, stage: str):
-        return _Stage(self, stage)
-
-
-class _Stage:
-    def __init__(self, timer: _Timer, stage: str) -> None:
-        self.timer, self.stage = timer, stage
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        if self.timer._sync:
-            torch.cuda.synchronize()
-        self.timer.totals[self.stage] += time.perf_counter() - self.t0
-        return False

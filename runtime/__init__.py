@@ -1,13 +1,16 @@
-"""fastopt.runtime: temporal neighbor sampling, SlimCache and the prefetch pipeline.
+"""fastopt.runtime: temporal neighbor sampling, SlimCache, the loader and its ``GraphInputs``.
 
 Layering: this package imports nothing of fastopt but :mod:`fastopt.config` and
 :mod:`fastopt.errors`; it never imports ``fastopt.passes``, ``fastopt.models`` or the trainer.
 """
 
 from fastopt.runtime.blocks import SampledBatch, TemporalBlock, Unique
+from fastopt.runtime.inputs import GraphInputs
 from fastopt.runtime.sampler import OPENMP, TemporalSampler
 from fastopt.runtime.cache_policy import BeladyResult, belady_optimum
 from fastopt.runtime.slimcache import CacheCounters, CacheTable, PendingRows, SlimCache, UniqueRows
+from fastopt.runtime.loader import EventBatch, Loader, NegativeSampler, StageTimer
 
 __all__ = ["SampledBatch", "TemporalBlock", "Unique", "SlimCache", "CacheTable", "UniqueRows",
-           "PendingRows", "CacheCounters", "BeladyResult", "belady_optimum", "TemporalSampler", "OPENMP"]
+           "PendingRows", "CacheCounters", "BeladyResult", "belady_optimum", "TemporalSampler", "OPENMP",
+           "GraphInputs", "EventBatch", "Loader", "NegativeSampler", "StageTimer"]

@@ -42,7 +42,7 @@ class APAN(MemoryModel):
         return torch.where(mem.pending[nodes].unsqueeze(1), new, mem.memory[nodes])
 
     def embed(self, inputs: GraphInputs):
-        h = self.root_memory(inputs.nodes[0])
+        h = self.root_memory(inputs.nodes[0], inputs.unique_nodes, inputs.node_inverse)
         if self.node_proj is not None:
             h = h + self.node_proj(inputs.node_feat[0])
         return self.out(h)

@@ -1,38 +1,17 @@
-"""The interface between the trainer and a TGNN: what a model receives and what it must provide."""
+"""The interface between the trainer and a TGNN: what it must provide (what it receives,
+:class:`~fastopt.runtime.GraphInputs`, is defined by the runtime)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List
 
 import torch
 from torch import nn
 
 from fastopt.models.layers import EdgePredictor
+from fastopt.runtime.inputs import GraphInputs  # the runtime<->model contract lives with the loader
 
 __all__ = ["GraphInputs", "TGNNModel"]
-
-
-@dataclass
-class GraphInputs:
-    """Sampled neighborhoods of a batch of roots, gathered and on the model's device.
-
-    ``nodes[0]``/``times[0]`` are the roots; ``nodes[i + 1]`` are the neighbors sampled in layer
-    ``i`` (flattened ``[len(nodes[i]) * k_i]``). Layer ``i`` also has ``dt[i]``, ``mask[i]`` and
-    ``edge_feat[i]`` (``[len(nodes[i]), k_i, d_edge]``). ``node_feat[i]`` holds the features of
-    ``nodes[i]`` (zero width when the graph has none).
-    """
-
-    nodes: List[torch.Tensor]
-    times: List[torch.Tensor]
-    node_feat: List[torch.Tensor]
-    edge_feat: List[torch.Tensor]
-    dt: List[torch.Tensor]
-    mask: List[torch.Tensor]
-
-    @property
-    def num_roots(self) -> int:
-        return int(self.nodes[0].shape[0])
 
 
 class TGNNModel(nn.Module):

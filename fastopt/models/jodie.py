@@ -33,7 +33,7 @@ class JODIE(MemoryModel):
 
     def embed(self, inputs: GraphInputs):
         roots, times = inputs.nodes[0], inputs.times[0]
-        memory = self.root_memory(roots)
+        memory = self.root_memory(roots, inputs.unique_nodes, inputs.node_inverse)
         mem = self.memory
         since = torch.where(mem.pending[roots], mem.latest_mail(roots)[1], mem.last_update[roots])
         # Δt is scaled to days-like units so the projection starts near identity.

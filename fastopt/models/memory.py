@@ -44,31 +44,40 @@ class NodeMemory(nn.Module):
 
     @torch.no_grad()
     def write(self, nodes: torch.Tensor, memory: torch.Tensor, times: torch.Tensor) -> None:
-        """Store updated memory for ``nodes`` (unique ids) and mark their mail as absorbed."""
+        """Store updated memory for ``nodes`` and mark their mail as absorbed (a repeated id must
+        come with the same row each time)."""
         self.memory[nodes] = memory.detach()
         self.last_update[nodes] = times
         self.pending[nodes] = False
 
     @torch.no_grad()
     def deliver(self, nodes: torch.Tensor, mails: torch.Tensor, times: torch.Tensor) -> None:
-        """Append mails in event order; with one slot the last mail per node wins."""
-        order = torch.sort(nodes, stable=True)
-        sorted_nodes = order.values
-        n = sorted_nodes.numel()
+        """Append mails in event order; with one slot the last mail per node wins.
+
+        Works on the batch only (never on all N nodes) and never reads a size back to the host:
+        a mail that does not survive (older than a node's last ``slots`` mails of the batch)
+        repeats the write of its node's newest mail, so every write to a slot stores one value.
+        """
+        n = nodes.numel()
         if n == 0:
             return
-        # Work on the batch only (never on all N nodes): group sizes of the sorted ids.
-        uniq, counts = torch.unique_consecutive(sorted_nodes, return_counts=True)
-        group_start = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        rank = torch.arange(n, device=nodes.device) - group_start  # occurrence index per node
-        per_node = torch.repeat_interleave(counts, counts)
-        keep = rank >= per_node - self.slots  # only the last `slots` mails of each node survive
-        kn, kr, ki = sorted_nodes[keep], rank[keep], order.indices[keep]
-        slot = (self.mail_count[kn] + kr) % self.slots
-        self.mails[kn, slot] = mails[ki]
-        self.mail_ts[kn, slot] = times[ki]
-        self.mail_count[uniq] += counts
-        self.pending[uniq] = True
+        order = torch.sort(nodes, stable=True)
+        ids, src = order.values, order.indices
+        pos = torch.arange(n, device=nodes.device)
+        new_group = torch.ones(n, dtype=torch.bool, device=nodes.device)
+        new_group[1:] = ids[1:] != ids[:-1]
+        group_end = torch.ones_like(new_group)
+        group_end[:-1] = new_group[1:]
+        first = torch.cummax(torch.where(new_group, pos, 0), 0).values
+        last = torch.cummin(torch.where(group_end, pos, n).flip(0), 0).values.flip(0)
+        rank = pos - first  # occurrence index of each mail among its node's mails
+        keep = rank >= last - first + 1 - self.slots  # the last `slots` mails of each node survive
+        slot = (self.mail_count[ids] + rank) % self.slots
+        writer = torch.where(keep, pos, last)
+        self.mails[ids, slot[writer]] = mails[src[writer]]
+        self.mail_ts[ids, slot[writer]] = times[src[writer]]
+        self.mail_count.index_add_(0, ids, torch.ones_like(ids))
+        self.pending[ids] = True
 
     def latest_mail(self, nodes: torch.Tensor):
         """The most recent mail and its time for each node (slot before the write position)."""

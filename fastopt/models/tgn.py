@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -22,7 +24,7 @@ class MemoryModel(TGNNModel):
     def __init__(self, num_nodes: int, edge_dim: int, memory_dim: int, dim: int, slots: int = 1) -> None:
         super().__init__(dim)
         self.memory = NodeMemory(num_nodes, memory_dim, 2 * memory_dim + edge_dim, slots)
-        self._fresh = None  # (root ids, their updated memory) from the last embed()
+        self._fresh = None  # (updated memory rows, index of each root's row or None) of the last embed()
 
     def reset_state(self) -> None:
         self.memory.reset()
@@ -40,28 +42,37 @@ class MemoryModel(TGNNModel):
         new = cell(torch.cat([mail, mail_time(delta)], dim=1), mem.memory[nodes])
         return torch.where(mem.pending[nodes].unsqueeze(1), new, mem.memory[nodes])
 
-    def root_memory(self, roots: torch.Tensor) -> torch.Tensor:
+    def root_memory(self, roots: torch.Tensor, unique: Optional[torch.Tensor] = None,
+                    inverse: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Updated memory of each root; remembers the values for :meth:`commit`.
 
-        Every root row is updated, repeated ids included (each copy computes the same values),
-        rather than the unique ids: ``torch.unique`` would read its size back to the host, which
-        keeps the embedding out of a CUDA graph; the repeated rows cost a few GRU rows instead.
+        With ``unique`` (the batch's unique nodes) and ``inverse`` (``roots == unique[inverse]``)
+        each node is updated once and read back by index; otherwise every root row is updated,
+        repeated ids included (each copy computes the same values). Either way no size is read
+        back to the host, so the embedding can run inside a CUDA graph. The roots must begin with
+        the batch's sources and then its destinations (the loader's order): :meth:`commit` reads
+        their rows by position.
         """
-        fresh = self.updated_memory(roots)
-        self._fresh = (roots, fresh.detach())  # commit() writes values, it needs no gradient
-        return fresh
+        if unique is None:
+            fresh = self.updated_memory(roots)
+            self._fresh = (fresh.detach(), None)  # commit() writes values, it needs no gradient
+            return fresh
+        table = self.updated_memory(unique)
+        inverse = inverse[: roots.shape[0]]  # the roots lead the nodes the inverse covers
+        self._fresh = (table.detach(), inverse)
+        return table[inverse]
 
     @torch.no_grad()
     def commit(self, src, dst, ts, edge_feat) -> None:
-        roots, fresh = self._fresh
-        pos = torch.unique(torch.cat([src, dst]))
-        order = torch.argsort(roots)
-        rows = order[torch.searchsorted(roots[order], pos)]
+        table, inverse = self._fresh
+        pos = torch.cat([src, dst])
+        fresh = table[inverse[: pos.numel()]] if inverse is not None else table[: pos.numel()]
         mem = self.memory
-        mem.write(pos, fresh[rows], torch.where(mem.pending[pos], mem.latest_mail(pos)[1], mem.last_update[pos]))
+        # repeated ids write identical rows (one node, one updated memory)
+        mem.write(pos, fresh, torch.where(mem.pending[pos], mem.latest_mail(pos)[1], mem.last_update[pos]))
         m_src, m_dst = mem.memory[src], mem.memory[dst]
         mails = torch.cat([torch.cat([m_src, m_dst, edge_feat], 1), torch.cat([m_dst, m_src, edge_feat], 1)])
-        mem.deliver(torch.cat([src, dst]), mails, torch.cat([ts, ts]).to(mem.mail_ts.dtype))
+        mem.deliver(pos, mails, torch.cat([ts, ts]).to(mem.mail_ts.dtype))
         self._fresh = None
 
 
@@ -91,5 +102,6 @@ class TGN(MemoryModel):
 
     def embed(self, inputs: GraphInputs):
         sets = inputs.nodes[: len(self.fanouts) + 1]
-        memory = self.root_memory(torch.cat(sets)).split([int(n.shape[0]) for n in sets])
+        memory = self.root_memory(torch.cat(sets), inputs.unique_nodes, inputs.node_inverse)
+        memory = memory.split([int(n.shape[0]) for n in sets])
         return self.propagate([self.node_repr(f, m) for f, m in zip(inputs.node_feat, memory)], inputs)

@@ -1,0 +1,62 @@
+"""Where a training epoch's time goes: torch.profiler over one steady epoch of the Trainer.
+
+Trains one warm-up epoch, then profiles the next (host and device activity) and prints the
+operators with the most host time and the most device time, and the epoch's stage breakdown::
+
+    python bench/epoch_profile.py --model tgn --batch-size 600 [--no-optimize] [--trace out.json]
+
+A diagnostic, not a comparison: it times nothing against eager and records no result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from fastopt.config import default_config
+from fastopt.data import load_dataset
+from fastopt.models import build_model
+from fastopt.trainer import Trainer
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tgn")
+    p.add_argument("--dataset", default="wikipedia")
+    p.add_argument("--batch-size", type=int, default=600)
+    p.add_argument("--edge-dim", type=int, default=172)
+    p.add_argument("--no-optimize", action="store_true")
+    p.add_argument("--rows", type=int, default=30)
+    p.add_argument("--trace", default=None, help="write a Chrome trace here")
+    args = p.parse_args()
+    cfg = default_config().copy()
+    cfg.train.batch_size = args.batch_size
+    cfg.train.optimize = "off" if args.no_optimize else "auto"
+    graph = load_dataset(args.dataset, edge_dim=args.edge_dim)
+    torch.manual_seed(0)
+    trainer = Trainer(build_model(args.model, graph), graph, cfg, progress=False)
+    for epoch in range(2):
+        t0 = time.perf_counter()
+        stats = trainer.train_epoch(epoch)
+        print(f"warm-up epoch {epoch}: {time.perf_counter() - t0:.3f} s, stages "
+              + " ".join(f"{k}={v:.3f}" for k, v in stats.stages.items()), flush=True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        stats = trainer.train_epoch(2)
+    print(f"profiled epoch: {stats.seconds:.3f} s (with profiler overhead), stages "
+          + " ".join(f"{k}={v:.3f}" for k, v in stats.stages.items()))
+    table = prof.key_averages()
+    print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if torch.cuda.is_available():
+        print(table.table(sort_by="self_device_time_total", row_limit=args.rows))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,275 @@
+"""``fastopt bench``: fastopt against what users run today, side by side in one process.
+
+Every contender trains the same model (same initial weights, seeds, data, negatives and
+device) for ``epochs`` epochs through :class:`~fastopt.Trainer` and is evaluated on validation
+after each epoch and on test at the end:
+
+=============  ============================================================================
+``tgl``        the eager model; features gathered on the host per sampled slot and copied
+               every batch (``cache.placement="host"``, no dedup, no cache: TGL's path)
+``eager``      the eager model; features resident on the device (the plain Trainer)
+``compile``    ``torch.compile(model)``, features on the device
+``compile-ro`` ``torch.compile(model, mode="reduce-overhead")``
+``pyg``        PyG's TGN (``TGNMemory`` + ``LastNeighborLoader`` + ``TransformerConv``), when the
+               model is TGN and torch_geometric is installed
+``fastopt``    the whole pipeline: ``fastopt.optimize`` (fused kernels, CUDA graphs) and the loader
+=============  ============================================================================
+
+Reported per contender: the first and the steady epoch time (median of the epochs after the
+first), the stage breakdown of the steady epochs, bytes host->device per epoch, peak device
+memory, validation and test AP. Before timing, each contender's model is checked against an
+eager copy with the same weights on one real batch, outputs and parameter gradients (after a
+CUDA-graph capture where one happens); a disagreement fails the run
+(:class:`~fastopt.errors.FastOptError`). PyG's TGN is another implementation, so it is compared by
+accuracy only.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from fastopt.config import Config
+from fastopt.errors import ConfigError, FastOptError
+
+__all__ = ["CONTENDERS", "BenchResult", "run_bench", "format_table", "verify_against_eager"]
+
+CONTENDERS = ("tgl", "eager", "compile", "compile-ro", "pyg", "fastopt")
+# Relative error allowed between a contender's outputs/gradients and eager's (fp32).
+TOLERANCE = 1e-4
+
+
+@dataclass
+class BenchResult:
+    contender: str
+    epoch_seconds: List[float] = field(default_factory=list)
+    stages: Dict[str, float] = field(default_factory=dict)
+    bytes_h2d: float = 0.0
+    peak_device_bytes: int = 0
+    val_ap: float = float("nan")
+    test_ap: float = float("nan")
+    verified: str = ""
+    max_rel_error: float = 0.0
+    note: str = ""
+
+    @property
+    def first(self) -> float:
+        return self.epoch_seconds[0] if self.epoch_seconds else float("nan")
+
+    @property
+    def steady(self) -> float:
+        rest = self.epoch_seconds[1:] or self.epoch_seconds
+        return statistics.median(rest) if rest else float("nan")
+
+    def to_dict(self) -> dict:
+        return {"contender": self.contender, "epoch_seconds": self.epoch_seconds,
+                "first_epoch_s": self.first, "steady_epoch_s": self.steady, "stages": self.stages,
+                "bytes_h2d_per_epoch": self.bytes_h2d, "peak_device_bytes": self.peak_device_bytes,
+                "val_ap": self.val_ap, "test_ap": self.test_ap, "verified": self.verified,
+                "max_rel_error": self.max_rel_error, "note": self.note}
+
+
+def _contender_config(base: Config, name: str) -> Config:
+    cfg = base.copy()
+    cfg.train.optimize = "on" if name == "fastopt" else "off"
+    if name == "tgl":
+        cfg.cache.placement, cfg.sampler.dedup, cfg.cache.budget_fraction = "host", False, 0.0
+    elif name != "fastopt":
+        cfg.cache.placement = "device"
+    return cfg
+
+
+def _wrap(name: str, model: nn.Module) -> nn.Module:
+    if name == "compile":
+        return torch.compile(model)
+    if name == "compile-ro":
+        return torch.compile(model, mode="reduce-overhead")
+    return model
+
+
+def _rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-6)) if b.numel() else 0.0
+
+
+def verify_against_eager(model: nn.Module, eager: nn.Module, inputs, calls: int = 3) -> float:
+    """Largest relative error of ``model``'s outputs and parameter gradients against ``eager``
+    (same weights, eval mode so dropout is off) over ``calls`` calls on ``inputs`` (a captured
+    CUDA graph replays on the later ones). Raises :class:`FastOptError` above :data:`TOLERANCE`."""
+    params = dict(model.named_parameters())
+    ref_params = dict(eager.named_parameters())
+    model.eval()
+    eager.eval()
+    worst = 0.0
+    for call in range(calls):
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+        errors = {}
+        outs = []
+        for m in (model, eager):
+            h = m(inputs)
+            if hasattr(m, "reset_state"):
+                m.reset_state()  # the check must leave no memory behind
+            (h.square().mean() + h.sum() * 1e-3).backward()
+            outs.append(h.detach())
+        errors["output"] = _rel_error(outs[0], outs[1])
+        for key, ref in ref_params.items():
+            p = params.get(key)
+            if p is None or ref.grad is None:
+                continue
+            if p.grad is None:
+                raise FastOptError(f"parameter {key!r} got no gradient where eager has one")
+            errors[f"grad {key}"] = _rel_error(p.grad, ref.grad)
+        where, err = max(errors.items(), key=lambda kv: kv[1])
+        worst = max(worst, err)
+        if not err <= TOLERANCE:
+            raise FastOptError(f"call {call}: {where} differs from eager by relative error {err:.3g} "
+                               f"(limit {TOLERANCE}); the optimized model is wrong here, report it "
+                               f"with `fastopt.optimize(model, verify=True)`")
+    for m in (model, eager):
+        m.zero_grad(set_to_none=True)
+        m.train()
+    return worst
+
+
+def run_bench(graph, model_name: str, base: Config, contenders: Sequence[str] = CONTENDERS,
+              epochs: int = 3, progress: bool = False,
+              log: Callable[[str], None] = print) -> List[BenchResult]:
+    """Train each of ``contenders`` on ``graph`` (see the module docstring); one result each."""
+    from fastopt.models import build_model
+    from fastopt.trainer import Trainer, resolve_device
+
+    unknown = [c for c in contenders if c not in CONTENDERS]
+    if unknown:
+        raise ConfigError(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
+    if epochs < 1:
+        raise ConfigError(f"epochs must be >= 1 (got {epochs}); the steady epoch needs 2 or more")
+    device = resolve_device(base.train.device)
+    seed = base.train.seed
+    results = []
+    for name in contenders:
+        if name == "pyg":
+            result = _run_pyg(graph, model_name, base, epochs, device, progress, log)
+            if result is not None:
+                results.append(result)
+            continue
+        if name.startswith("compile") and device.type == "cpu" and name == "compile-ro":
+            log(f"  {name}: skipped (reduce-overhead needs CUDA graphs)")
+            continue
+        cfg = _contender_config(base, name)
+        torch.manual_seed(seed)
+        model = build_model(model_name, graph).to(device)
+        eager = copy.deepcopy(model)
+        trainer = Trainer(_wrap(name, model), graph, cfg, progress=progress)
+        result = BenchResult(name)
+        log(f"  {name}: verifying against eager ...")
+        batch = next(iter(trainer.plan("train", 0)))
+        inputs = trainer.build_inputs(batch.roots, batch.times)
+        if name == "tgl":
+            # same model code, other data path: its inputs must be the device path's, exactly
+            ref = Trainer(eager, graph, _contender_config(base, "eager"), progress=False)
+            _same_inputs(inputs, ref.build_inputs(batch.roots, batch.times))
+            result.verified = "inputs equal to the device path's; model is eager"
+        else:
+            result.max_rel_error = verify_against_eager(trainer.model, eager, inputs)
+            result.verified = f"outputs+grads vs eager, max rel err {result.max_rel_error:.2e}"
+        if hasattr(trainer.model, "reset_state"):
+            trainer.model.reset_state()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+        log(f"  {name}: training {epochs} epoch(s) ...")
+        history = trainer.fit(epochs)
+        result.epoch_seconds = [h["seconds"] for h in history]
+        steady = history[1:] or history
+        result.stages = {k: statistics.median(h["stages"].get(k, 0.0) for h in steady)
+                         for k in ("sample", "gather", "forward", "backward", "update")}
+        result.bytes_h2d = statistics.median(h["bytes_h2d"] for h in steady)
+        result.peak_device_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        result.val_ap = history[-1]["val"]["ap"]
+        result.test_ap = trainer.test_metrics["ap"]
+        results.append(result)
+        log(f"  {name}: {result.steady:.3f} s/epoch steady, first {result.first:.3f} s, test AP {result.test_ap:.4f}")
+        del trainer, model, eager
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def _same_inputs(a, b) -> None:
+    for name in ("nodes", "times", "node_feat", "edge_feat", "dt", "mask"):
+        for i, (x, y) in enumerate(zip(getattr(a, name), getattr(b, name))):
+            if x.shape != y.shape or not torch.equal(x.cpu(), y.cpu()):
+                raise FastOptError(f"host-gathered {name}[{i}] differs from the device path's")
+
+
+def _run_pyg(graph, model_name: str, base: Config, epochs: int, device, progress, log) -> Optional[BenchResult]:
+    if model_name != "tgn":
+        log("  pyg: skipped (PyG's TGN is compared with --model tgn only)")
+        return None
+    try:
+        import torch_geometric  # noqa: F401
+    except ImportError:
+        log('  pyg: skipped (torch_geometric is not installed: pip install "fastopt[pyg]")')
+        return None
+    from fastopt.baselines.pyg_tgn import run_pyg_tgn
+
+    log(f"  pyg: training {epochs} epoch(s) ...")
+    out = run_pyg_tgn(graph, batch_size=base.train.batch_size, epochs=epochs, device=device,
+                      seed=base.train.seed, progress=progress)
+    result = BenchResult("pyg", epoch_seconds=list(out["epoch_seconds"]),
+                         bytes_h2d=float(out["h2d_bytes_per_epoch"]),
+                         peak_device_bytes=int(out["peak_device_bytes"]), val_ap=out["val"]["ap"],
+                         test_ap=out["test"]["ap"], verified="other implementation: accuracy only",
+                         note="PyG examples/tgn.py structure")
+    log(f"  pyg: {result.steady:.3f} s/epoch steady, first {result.first:.3f} s, test AP {result.test_ap:.4f}")
+    return result
+
+
+def format_table(results: Sequence[BenchResult], baseline: str = "eager") -> str:
+    """The results as an aligned text table; speedups against ``baseline``'s steady epoch."""
+    ref = next((r.steady for r in results if r.contender == baseline), float("nan"))
+    head = ["contender", "s/epoch", "first s", f"x {baseline}", "sample", "gather", "forward",
+            "backward", "update", "H2D MB/ep", "peak MB", "val AP", "test AP"]
+    rows = [head]
+    for r in results:
+        st = r.stages
+        rows.append([r.contender, f"{r.steady:.3f}", f"{r.first:.3f}", f"{ref / r.steady:.2f}",
+                     *(f"{st.get(k, float('nan')):.3f}" if st else "-"
+                       for k in ("sample", "gather", "forward", "backward", "update")),
+                     f"{r.bytes_h2d / 1e6:.1f}", f"{r.peak_device_bytes / 1e6:.0f}",
+                     f"{r.val_ap:.4f}", f"{r.test_ap:.4f}"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def plot(results: Sequence[BenchResult], path: str, title: str) -> None:
+    """A bar chart of steady epoch times (matplotlib, an optional dependency)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise FastOptError('--plot needs matplotlib; pip install "fastopt[plot]"') from None
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = [r.contender for r in results]
+    ax.barh(names, [r.steady for r in results], color=["#d62728" if n == "fastopt" else "#7f7f7f" for n in names])
+    ax.set_xlabel("seconds per epoch (steady)")
+    ax.set_title(title)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def timestamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

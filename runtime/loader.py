@@ -1,0 +1,502 @@
+"""The one data path from an event stream to a model's inputs on the device.
+
+plan -> sample -> stage -> :class:`~fastopt.runtime.GraphInputs`, ahead of the step::
+
+    loader = Loader(graph, sampler, device, config)
+    with loader.epoch("train", epoch=0) as batches:
+        for batch in batches:            # EventBatch with .inputs on the device
+            ...
+
+* **Plan.** Chronological batches of ``config.train.batch_size`` events; each batch's negatives
+  are a pure function of ``(seed, epoch, split, batch index)`` (:class:`NegativeSampler`), so
+  they are the same whatever thread draws them and after a resume.
+* **Sample.** The temporal sampler returns every layer's neighbors and the batch's unique node
+  and edge ids (:class:`~fastopt.runtime.SampledBatch`). Graph structure never depends on
+  training state, so a background thread samples ``pipeline.prefetch_depth`` batches ahead
+  (``pipeline.async_sampling``); the compiled sampler runs without the GIL.
+* **Stage.** Ids, times and masks are packed per dtype into pinned host buffers and copied on a
+  dedicated CUDA stream; an event recorded after the copy lets the compute stream wait for that
+  copy alone (never a host ``synchronize``). Static features come from the tables where
+  ``cache.placement`` puts them: ``device`` (the whole table on the device, rows gathered there),
+  ``host`` (rows gathered on the host into pinned buffers and copied; through SlimCache's
+  budgeted device cache when ``cache.budget_fraction > 0``), or ``auto`` (device when the
+  tables fit ``cache.device_budget_fraction`` of the free device memory, else host). With
+  ``sampler.dedup`` only a batch's unique rows travel; without it every sampled slot's row does
+  (the path of loaders that copy per slot).
+* **Hand over.** The model receives per-slot tensors (expanded on the device) and the batch's
+  unique nodes with their inverse index, the unique count padded to a bucketed length
+  (:func:`~fastopt.runtime.inputs.bucket`) so that captured graphs see few shapes.
+
+An exception in the background thread is raised in the consuming thread at the batch where it
+happened; leaving the ``with`` block (normally, by an exception or Ctrl-C) stops the thread and
+waits for it.
+
+Layering: imports nothing of fastopt but :mod:`fastopt.config`, :mod:`fastopt.errors` and other
+runtime modules. The graph is duck-typed (``src``, ``dst``, ``ts``, ``edge_feat``,
+``node_feat``, ``num_nodes``, ``split_range``, ``destination_pool``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional
+
+import numpy as np
+import torch
+
+from fastopt.config import Config
+from fastopt.errors import ConfigError
+from fastopt.runtime.blocks import SampledBatch, Unique
+from fastopt.runtime.inputs import GraphInputs, bucket
+
+__all__ = ["EventBatch", "Loader", "NegativeSampler", "StageTimer", "SPLIT_IDS"]
+
+SPLIT_IDS = {"train": 0, "val": 1, "test": 2}
+# Seconds between checks of the stop flag while the producer waits for room in the queue.
+_POLL = 0.05
+
+
+class NegativeSampler:
+    """Uniform negative destinations, a pure function of (seed, epoch, split, batch index).
+
+    Drawing per batch from its own key keeps negatives identical across resumes and orderings.
+    """
+
+    def __init__(self, pool: np.ndarray, seed: int) -> None:
+        self.pool = np.asarray(pool, dtype=np.int64)
+        self.seed = seed
+
+    def draw(self, n: int, epoch: int, split: str, batch: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, epoch, SPLIT_IDS[split], batch])
+        return self.pool[rng.integers(0, self.pool.size, size=n)]
+
+
+@dataclass
+class EventBatch:
+    """One chronological batch: its positive events, negatives, roots and, once staged, inputs.
+
+    Roots are ``[src, dst, neg, extra.ravel()]`` at the events' times; ``extra`` holds the MRR
+    negatives ``[B, n]`` of an evaluation batch. ``inputs`` (the model's
+    :class:`~fastopt.runtime.GraphInputs`) and ``event_feat`` (the features of the batch's own
+    events, ``[B, d_edge]``, for the memory write-back) are on the device once staged.
+    """
+
+    index: int
+    start: int
+    stop: int
+    src: np.ndarray
+    dst: np.ndarray
+    ts: np.ndarray
+    neg: np.ndarray
+    extra: Optional[np.ndarray] = None
+    sampled: Optional[SampledBatch] = None
+    inputs: Optional[GraphInputs] = None
+    event_feat: Optional[torch.Tensor] = None
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def roots(self) -> np.ndarray:
+        parts = [self.src, self.dst, self.neg] + ([self.extra.reshape(-1)] if self.extra is not None else [])
+        return np.concatenate(parts)
+
+    @property
+    def times(self) -> np.ndarray:
+        copies = 3 + (self.extra.shape[1] if self.extra is not None else 0)
+        return np.tile(self.ts, copies)
+
+
+class StageTimer:
+    """Time per stage without synchronizing the device on the hot path.
+
+    ``with timer("forward"):`` records a CUDA event pair on the current stream (device time,
+    resolved once in :meth:`totals`); on the CPU, and for host-side waits (``host=True``), wall
+    time is added directly.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._host: Dict[str, float] = defaultdict(float)
+        self._events: Dict[str, List[tuple]] = defaultdict(list)
+
+    def __call__(self, stage: str, host: bool = False) -> "_Stage":
+        return _Stage(self, stage, host or not self.cuda)
+
+    def add(self, stage: str, seconds: float) -> None:
+        self._host[stage] += seconds
+
+    def totals(self) -> Dict[str, float]:
+        """Seconds per stage (waits for the recorded events: call at the end of an epoch)."""
+        out = defaultdict(float, self._host)
+        for stage, pairs in self._events.items():
+            for start, end in pairs:
+                end.synchronize()
+                out[stage] += start.elapsed_time(end) / 1e3
+        self._host.update({k: v for k, v in out.items()})
+        self._events.clear()
+        return dict(out)
+
+
+class _Stage:
+    def __init__(self, timer: StageTimer, stage: str, host: bool) -> None:
+        self.timer, self.stage, self.host = timer, stage, host
+
+    def __enter__(self):
+        if self.host:
+            self.t0 = time.perf_counter()
+        else:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+    def __exit__(self, *exc):
+        if self.host:
+            self.timer._host[self.stage] += time.perf_counter() - self.t0
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.timer._events[self.stage].append((self.start, end))
+        return False
+
+
+@dataclass
+class _Staged:
+    """A batch on its way to the device: tensors (device copies in flight) and the copy's event."""
+
+    batch: EventBatch
+    tensors: Dict[str, object] = field(default_factory=dict)
+    event: Optional[torch.cuda.Event] = None
+    pending: Optional[object] = None  # SlimCache.stage() of the edge features, finished on use
+
+
+class _End:
+    pass
+
+
+class _Failure:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class Loader:
+    """Batches of a temporal graph, sampled and staged ahead of the training step.
+
+    Args:
+        graph: the event stream (a :class:`~fastopt.data.TemporalGraph` or anything shaped like it).
+        sampler: a temporal sampler (``sample(roots, times) -> SampledBatch``, ``reset(epoch)``),
+            or None for models without neighbors.
+        device: where the model runs.
+        config: the whole configuration (``train``, ``pipeline``, ``cache``, ``sampler`` groups).
+    """
+
+    def __init__(self, graph, sampler, device: torch.device, config: Config) -> None:
+        self.graph, self.sampler, self.config = graph, sampler, config
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.negatives = NegativeSampler(graph.destination_pool(), config.train.seed)
+        self.dedup = bool(config.sampler.dedup)
+        self.placement = self._placement()
+        self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.node_table = self._table(graph.node_feat)
+        self.edge_table = self._table(graph.edge_feat)
+        self.cache = None
+        if self.placement == "host" and self.cuda and self.dedup and config.cache.budget_fraction > 0 \
+                and graph.edge_feat is not None and graph.edge_feat.shape[1] > 0:
+            from fastopt.runtime.slimcache import CacheTable, SlimCache
+
+            self.cache = SlimCache({"edge": CacheTable(self.edge_table)}, self.device, config.cache)
+        self.bytes_h2d = 0  # bytes copied host -> device since construction
+
+    def bytes_moved(self) -> int:
+        """Bytes copied host -> device so far: staged batches and the cache's misses."""
+        cached = self.cache.counters().bytes_h2d if self.cache is not None else 0
+        return self.bytes_h2d + cached
+
+    # ------------------------------------------------------------------------ tables
+    def _placement(self) -> str:
+        placement = self.config.cache.placement
+        if placement != "auto":
+            return placement
+        if not self.cuda:
+            return "device"
+        need = sum(0 if t is None else t.nbytes for t in (self.graph.edge_feat, self.graph.node_feat))
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return "device" if need <= self.config.cache.device_budget_fraction * free else "host"
+
+    def _table(self, feat: Optional[np.ndarray]) -> Optional[torch.Tensor]:
+        if feat is None or feat.shape[1] == 0:
+            return None
+        table = torch.from_numpy(np.ascontiguousarray(feat))
+        if self.placement == "device":
+            return table.to(self.device)
+        return table.pin_memory() if self.cuda else table
+
+    # ------------------------------------------------------------------------ planning
+    def plan(self, split: str, epoch: int, mrr_negatives: int = 0) -> Iterator[EventBatch]:
+        """The batches of ``split`` in chronological order, with their negatives (not yet sampled)."""
+        g, size = self.graph, self.config.train.batch_size
+        r = g.split_range(split)
+        for b, start in enumerate(range(r.start, r.stop, size)):
+            stop = min(start + size, r.stop)
+            n = stop - start
+            extra = None
+            if mrr_negatives:
+                extra = self.negatives.draw(n * mrr_negatives, epoch, split, b + 1_000_000).reshape(n, mrr_negatives)
+            yield EventBatch(b, start, stop, g.src[start:stop], g.dst[start:stop], g.ts[start:stop],
+                             self.negatives.draw(n, epoch, split, b), extra)
+
+    def num_batches(self, split: str) -> int:
+        r = self.graph.split_range(split)
+        return -(-(r.stop - r.start) // self.config.train.batch_size)
+
+    # ------------------------------------------------------------------------ epochs
+    def epoch(self, split: str, epoch: int, mrr_negatives: int = 0,
+              timer: Optional[StageTimer] = None) -> "EpochStream":
+        """The staged batches of one pass over ``split`` (a context manager and an iterator)."""
+        return EpochStream(self, self.plan(split, epoch, mrr_negatives), timer or StageTimer(self.device))
+
+    def inputs_for(self, roots: np.ndarray, times: np.ndarray) -> GraphInputs:
+        """The model's inputs for arbitrary ``roots`` at ``times``, built synchronously."""
+        roots = np.asarray(roots, dtype=np.int64)
+        n = roots.shape[0]
+        batch = EventBatch(-1, 0, 0, roots, roots[:0], np.asarray(times, dtype=np.float64)[:0],
+                           roots[:0])
+        staged = self.stage(batch, roots=roots, times=np.asarray(times, dtype=np.float64))
+        out = self.finish(staged)
+        assert out.inputs.num_roots == n
+        return out.inputs
+
+    # ------------------------------------------------------------------------ staging
+    def stage(self, batch: EventBatch, roots: Optional[np.ndarray] = None,
+              times: Optional[np.ndarray] = None) -> _Staged:
+        """Sample ``batch`` and start moving everything it needs to the device (any thread)."""
+        roots = batch.roots if roots is None else roots
+        times = batch.times if times is None else times
+        sampled = self.sampler.sample(roots, times) if self.sampler is not None else None
+        batch.sampled = sampled
+        blocks = sampled.blocks if sampled is not None else []
+        ints: Dict[str, torch.Tensor] = {"roots": torch.from_numpy(np.ascontiguousarray(roots, dtype=np.int64))}
+        floats64: Dict[str, torch.Tensor] = {"times": torch.from_numpy(np.ascontiguousarray(times, dtype=np.float64))}
+        floats32: Dict[str, torch.Tensor] = {}
+        bools: Dict[str, torch.Tensor] = {}
+        for i, block in enumerate(blocks):
+            ints[f"nbr{i}"] = block.nbr_nodes
+            ints[f"eid{i}"] = block.nbr_eids
+            floats64[f"ntime{i}"] = block.nbr_times
+            floats32[f"dt{i}"] = block.dt
+            bools[f"mask{i}"] = block.mask
+        unique = sampled.unique_nodes if sampled is not None else None
+        if unique is None:
+            unique = Unique.of(ints["roots"])
+        values = unique.values
+        padded = bucket(values.numel()) if self.cuda else values.numel()
+        if padded > values.numel():
+            values = torch.cat([values, values.new_zeros(padded - values.numel())])
+        ints["unique_nodes"] = values
+        ints["node_inverse"] = unique.inverse.reshape(-1)
+        staged = _Staged(batch)
+        host_feats = self._host_features(batch, blocks, ints, staged)
+        self._upload(staged, {"i64": ints, "f64": floats64, "f32": floats32, "bool": bools,
+                              **host_feats})
+        return staged
+
+    def _host_features(self, batch: EventBatch, blocks, ints, staged: _Staged) -> Dict[str, Dict[str, torch.Tensor]]:
+        """Rows gathered on the host (host placement): per slot, unique rows, or through SlimCache."""
+        if self.placement != "host":
+            return {}
+        out: Dict[str, Dict[str, torch.Tensor]] = {}
+        if self.node_table is not None:
+            ids = torch.cat([ints["roots"]] + [ints[f"nbr{i}"].reshape(-1) for i in range(len(blocks))])
+            out["node_rows"] = {"node_rows": self._gather_host(self.node_table, ids)}
+        if self.edge_table is not None:
+            rows = {"event_rows": self.edge_table[batch.start:batch.stop]}
+            if blocks:
+                if self.cache is not None:
+                    staged.pending = self.cache.stage("edge", unique=batch.sampled.unique_eids)
+                elif self.dedup:
+                    u = batch.sampled.unique_eids
+                    rows["edge_rows"] = self._gather_host(self.edge_table, u.values.clamp(min=0))
+                    ints["edge_inverse"] = u.inverse.reshape(-1)
+                else:
+                    eids = torch.cat([ints[f"eid{i}"].reshape(-1) for i in range(len(blocks))])
+                    rows["edge_rows"] = self._gather_host(self.edge_table, eids.clamp(min=0))
+            out["edge_rows"] = rows
+        return out
+
+    def _gather_host(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((ids.numel(),) + tuple(table.shape[1:]), dtype=table.dtype,
+                          pin_memory=self.cuda)
+        torch.index_select(table, 0, ids, out=out)
+        return out
+
+    def _upload(self, staged: _Staged, groups: Dict[str, Dict[str, torch.Tensor]]) -> None:
+        """One copy per group (packed flat when it holds several tensors), on the copy stream."""
+        if not self.cuda:
+            for group in groups.values():
+                staged.tensors.update(group)
+            return
+        with torch.cuda.stream(self._copy_stream):
+            for group in groups.values():
+                if not group:
+                    continue
+                tensors = list(group.values())
+                if len(tensors) == 1 or len({t.dtype for t in tensors}) > 1 or any(t.dim() > 3 for t in tensors):
+                    parts = [t.pin_memory() if not t.is_pinned() else t for t in tensors]
+                    moved = [p.to(self.device, non_blocking=True) for p in parts]
+                else:
+                    flat = torch.cat([t.reshape(-1) for t in tensors]).pin_memory()
+                    dev = flat.to(self.device, non_blocking=True)
+                    moved = [piece.view(t.shape) for piece, t in
+                             zip(torch.split(dev, [t.numel() for t in tensors]), tensors)]
+                self.bytes_h2d += sum(t.numel() * t.element_size() for t in tensors)
+                staged.tensors.update(zip(group.keys(), moved))
+            if self.placement == "device":
+                self._gather_device(staged)
+            staged.event = torch.cuda.Event()
+            staged.event.record(self._copy_stream)
+
+    def _gather_device(self, staged: _Staged) -> None:
+        """Per-slot feature rows from device tables (on the stream this is called on)."""
+        t, batch = staged.tensors, staged.batch
+        sets = [t["roots"]] + [t[k].reshape(-1) for k in sorted(t) if k.startswith("nbr")]
+        if self.node_table is not None:
+            t["node_feat"] = [self.node_table[n.clamp(min=0)] for n in sets]
+        if self.edge_table is not None:
+            layers = sorted(k for k in t if k.startswith("eid"))
+            t["edge_feat"] = [self.edge_table[t[k].clamp(min=0)] for k in layers]
+            t["event_rows"] = self.edge_table[batch.start:batch.stop]
+
+    def finish(self, staged: _Staged) -> EventBatch:
+        """Make the current stream wait for ``staged``'s copies; build the model's inputs."""
+        t, batch = staged.tensors, staged.batch
+        if staged.event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(staged.event)
+            for value in t.values():
+                for tensor in value if isinstance(value, list) else [value]:
+                    tensor.record_stream(current)
+        if self.placement == "device" and not self.cuda:
+            self._gather_device(staged)
+        layers = len([k for k in t if k.startswith("nbr")])
+        nodes = [t["roots"]] + [t[f"nbr{i}"].reshape(-1) for i in range(layers)]
+        times = [t["times"]] + [t[f"ntime{i}"].reshape(-1) for i in range(layers)]
+        dt = [t[f"dt{i}"] for i in range(layers)]
+        mask = [t[f"mask{i}"] for i in range(layers)]
+        node_feat = t.get("node_feat")
+        if node_feat is None:
+            node_feat = self._expand_nodes(t, nodes)
+        edge_feat = t.get("edge_feat")
+        if edge_feat is None:
+            edge_feat = self._expand_edges(staged, layers)
+        batch.event_feat = t.get("event_rows")
+        if batch.event_feat is None:
+            batch.event_feat = torch.zeros(batch.size, 0, device=self.device)
+        batch.inputs = GraphInputs(nodes, times, node_feat, edge_feat, dt, mask,
+                                   unique_nodes=t["unique_nodes"], node_inverse=t["node_inverse"])
+        return batch
+
+    def _expand_nodes(self, t, nodes: List[torch.Tensor]) -> List[torch.Tensor]:
+        if "node_rows" not in t:
+            return [torch.zeros(n.shape[0], 0, device=self.device) for n in nodes]
+        return list(torch.split(t["node_rows"], [n.shape[0] for n in nodes]))
+
+    def _expand_edges(self, staged: _Staged, layers: int) -> List[torch.Tensor]:
+        t = staged.tensors
+        shapes = [t[f"eid{i}"].shape for i in range(layers)]
+        if staged.pending is not None:
+            rows = self.cache.finish(staged.pending)
+            flat = rows.expand().reshape(-1, rows.rows.shape[-1])
+        elif "edge_rows" not in t:
+            return [torch.zeros(*s, 0, device=self.device) for s in shapes]
+        elif "edge_inverse" in t:
+            flat = t["edge_rows"][t["edge_inverse"]]
+        else:
+            flat = t["edge_rows"]
+        return [piece.view(*s, -1) for piece, s in zip(torch.split(flat, [s.numel() for s in shapes]), shapes)]
+
+
+class EpochStream:
+    """Staged batches of one pass, produced ahead on a background thread when the pipeline asks.
+
+    Use as ``with loader.epoch(...) as batches: for batch in batches: ...``; leaving the block
+    stops and joins the producer. The time the consumer waits for a batch is the ``sample``
+    stage; making a staged batch usable on the compute stream is ``gather``.
+    """
+
+    def __init__(self, loader: Loader, batches: Iterator[EventBatch], timer: StageTimer) -> None:
+        self.loader, self.timer = loader, timer
+        self._batches = batches
+        pipe = loader.config.pipeline
+        depth = pipe.prefetch_depth if pipe.async_sampling else 0
+        if loader.cache is not None:
+            depth = min(depth, 1)  # SlimCache keeps at most two staged lookups per table
+        self.depth = depth
+        self._queue: "queue.Queue" = queue.Queue(maxsize=max(depth, 1))
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def __enter__(self) -> "EpochStream":
+        if self.depth > 0:
+            self._thread = threading.Thread(target=self._produce, name="fastopt-loader", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def close(self) -> None:
+        """Stop the producer and wait for it (idempotent)."""
+        self._stop.set()
+        if self._thread is not None:
+            while self._thread.is_alive():
+                try:  # make room so a producer blocked on put() sees the flag
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    pass
+                self._thread.join(timeout=_POLL)
+            self._thread = None
+
+    def _produce(self) -> None:
+        try:
+            for batch in self._batches:
+                if self._stop.is_set():
+                    return
+                self._put(self.loader.stage(batch))
+            self._put(_End())
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._put(_Failure(exc))
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=_POLL)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> Iterator[EventBatch]:
+        if self.depth == 0:
+            for batch in self._batches:
+                with self.timer("sample", host=True):
+                    staged = self.loader.stage(batch)
+                with self.timer("gather", host=True):
+                    yield self.loader.finish(staged)
+            return
+        if self._thread is None:
+            raise ConfigError("iterate an epoch inside `with loader.epoch(...) as batches:`")
+        while True:
+            with self.timer("sample", host=True):
+                item = self._queue.get()
+            if isinstance(item, _End):
+                return
+            if isinstance(item, _Failure):
+                raise item.exc
+            with self.timer("gather", host=True):
+                batch = self.loader.finish(item)
+            yield batch
