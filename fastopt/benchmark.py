@@ -27,6 +27,7 @@ accuracy only.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -72,7 +73,7 @@ class BenchResult:
                 "first_epoch_s": self.first, "steady_epoch_s": self.steady, "stages": self.stages,
                 "bytes_h2d_per_epoch": self.bytes_h2d, "peak_device_bytes": self.peak_device_bytes,
                 "val_ap": self.val_ap, "test_ap": self.test_ap, "verified": self.verified,
-                "max_rel_error": self.max_rel_error, "note": self.note}
+                "error_vs_eager": self.max_rel_error, "note": self.note}
 
 
 def _contender_config(base: Config, name: str) -> Config:
@@ -95,45 +96,64 @@ def _wrap(name: str, model: nn.Module) -> nn.Module:
 
 def _rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-6)) if b.numel() else 0.0
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) if b.numel() else 0.0
+
+
+def _as_double(inputs):
+    """``inputs`` with every floating tensor in float64 (ids and masks unchanged)."""
+    def conv(x):
+        if isinstance(x, list):
+            return [conv(t) for t in x]
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.double()
+        return x
+    return dataclasses.replace(inputs, **{f.name: conv(getattr(inputs, f.name))
+                                          for f in dataclasses.fields(inputs)})
+
+
+def _run(model: nn.Module, inputs) -> Dict[str, torch.Tensor]:
+    """Output and parameter gradients of one call (a loss that reaches every output element)."""
+    model.zero_grad(set_to_none=True)
+    h = model(inputs)
+    if hasattr(model, "reset_state"):
+        model.reset_state()  # the check leaves no memory behind
+    (h.square().mean() + h.sum() * 1e-3).backward()
+    out = {"output": h.detach()}
+    out.update({f"grad {k}": p.grad for k, p in model.named_parameters() if p.grad is not None})
+    model.zero_grad(set_to_none=True)
+    return out
 
 
 def verify_against_eager(model: nn.Module, eager: nn.Module, inputs, calls: int = 3) -> float:
-    """Largest relative error of ``model``'s outputs and parameter gradients against ``eager``
-    (same weights, eval mode so dropout is off) over ``calls`` calls on ``inputs`` (a captured
-    CUDA graph replays on the later ones). Raises :class:`FastOptError` above :data:`TOLERANCE`."""
-    params = dict(model.named_parameters())
-    ref_params = dict(eager.named_parameters())
-    model.eval()
-    eager.eval()
+    """Check ``model`` against the eager model it came from, on real ``inputs``.
+
+    ``eager`` holds the same weights. Both run in eval mode (dropout off) ``calls`` times (a
+    captured CUDA graph replays on the later calls); their outputs and parameter gradients are
+    compared with the eager model run in float64, the reference. A quantity fails when its error
+    against the reference exceeds both :data:`TOLERANCE` and 8x the float32 eager model's own
+    error (gradients that are sums of cancelling terms carry a float32 error far above 1e-4
+    relative, in eager as much as in any reordering of the sums). Returns the largest error
+    ratio to eager's (at least 1 means no worse than eager); raises :class:`FastOptError`.
+    """
+    eager64 = copy.deepcopy(eager).double()
+    for m in (model, eager, eager64):
+        m.eval()
+    truth = _run(eager64, _as_double(inputs))
+    base = _run(eager, inputs)
     worst = 0.0
     for call in range(calls):
-        for m in (model, eager):
-            m.zero_grad(set_to_none=True)
-        errors = {}
-        outs = []
-        for m in (model, eager):
-            h = m(inputs)
-            if hasattr(m, "reset_state"):
-                m.reset_state()  # the check must leave no memory behind
-            (h.square().mean() + h.sum() * 1e-3).backward()
-            outs.append(h.detach())
-        errors["output"] = _rel_error(outs[0], outs[1])
-        for key, ref in ref_params.items():
-            p = params.get(key)
-            if p is None or ref.grad is None:
-                continue
-            if p.grad is None:
-                raise FastOptError(f"parameter {key!r} got no gradient where eager has one")
-            errors[f"grad {key}"] = _rel_error(p.grad, ref.grad)
-        where, err = max(errors.items(), key=lambda kv: kv[1])
-        worst = max(worst, err)
-        if not err <= TOLERANCE:
-            raise FastOptError(f"call {call}: {where} differs from eager by relative error {err:.3g} "
-                               f"(limit {TOLERANCE}); the optimized model is wrong here, report it "
-                               f"with `fastopt.optimize(model, verify=True)`")
+        got = _run(model, inputs)
+        for key, ref in truth.items():
+            if key not in got:
+                raise FastOptError(f"{key} is missing from the optimized model where eager has it")
+            err, err_eager = _rel_error(got[key], ref), _rel_error(base[key], ref)
+            worst = max(worst, err / max(err_eager, TOLERANCE))
+            if err > TOLERANCE and err > 8 * err_eager:
+                raise FastOptError(
+                    f"call {call}: {key} differs from the float64 reference by relative error "
+                    f"{err:.3g}, eager float32 by {err_eager:.3g} (limit: max({TOLERANCE}, 8x eager)); "
+                    f"the optimized model is wrong here, report it with `fastopt.optimize(model, verify=True)`")
     for m in (model, eager):
-        m.zero_grad(set_to_none=True)
         m.train()
     return worst
 
@@ -178,7 +198,8 @@ def run_bench(graph, model_name: str, base: Config, contenders: Sequence[str] = 
             result.verified = "inputs equal to the device path's; model is eager"
         else:
             result.max_rel_error = verify_against_eager(trainer.model, eager, inputs)
-            result.verified = f"outputs+grads vs eager, max rel err {result.max_rel_error:.2e}"
+            result.verified = (f"outputs+grads vs float64 eager: error at most "
+                               f"{result.max_rel_error:.2f}x max(1e-4, eager float32's)")
         if hasattr(trainer.model, "reset_state"):
             trainer.model.reset_state()
         if device.type == "cuda":
@@ -189,7 +210,7 @@ def run_bench(graph, model_name: str, base: Config, contenders: Sequence[str] = 
         result.epoch_seconds = [h["seconds"] for h in history]
         steady = history[1:] or history
         result.stages = {k: statistics.median(h["stages"].get(k, 0.0) for h in steady)
-                         for k in ("sample", "gather", "forward", "backward", "update")}
+                         for k in ("sample", "gather", "forward", "backward", "update", "step")}
         result.bytes_h2d = statistics.median(h["bytes_h2d"] for h in steady)
         result.peak_device_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         result.val_ap = history[-1]["val"]["ap"]
@@ -236,13 +257,13 @@ def format_table(results: Sequence[BenchResult], baseline: str = "eager") -> str
     """The results as an aligned text table; speedups against ``baseline``'s steady epoch."""
     ref = next((r.steady for r in results if r.contender == baseline), float("nan"))
     head = ["contender", "s/epoch", "first s", f"x {baseline}", "sample", "gather", "forward",
-            "backward", "update", "H2D MB/ep", "peak MB", "val AP", "test AP"]
+            "backward", "update", "step", "H2D MB/ep", "peak MB", "val AP", "test AP"]
     rows = [head]
     for r in results:
         st = r.stages
         rows.append([r.contender, f"{r.steady:.3f}", f"{r.first:.3f}", f"{ref / r.steady:.2f}",
                      *(f"{st.get(k, float('nan')):.3f}" if st else "-"
-                       for k in ("sample", "gather", "forward", "backward", "update")),
+                       for k in ("sample", "gather", "forward", "backward", "update", "step")),
                      f"{r.bytes_h2d / 1e6:.1f}", f"{r.peak_device_bytes / 1e6:.0f}",
                      f"{r.val_ap:.4f}", f"{r.test_ap:.4f}"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]

@@ -129,7 +129,8 @@ def _cmd_train(args) -> int:
 
 def _print_epoch(record: dict) -> None:
     st = record["stages"]
-    stages = " ".join(f"{k}={st.get(k, 0.0):.1f}s" for k in ("sample", "gather", "forward", "backward", "update"))
+    stages = " ".join(f"{k}={st[k]:.1f}s" for k in ("sample", "gather", "forward", "backward", "update", "step")
+                      if k in st)
     val = record["val"]
     print(f"epoch {record['epoch']:>3}  loss={record['loss']:.4f}  {record['seconds']:.1f}s "
           f"({record['events_per_s']:,.0f} ev/s; {stages})  val ap={val['ap']:.4f} auc={val['auc']:.4f}",

@@ -171,6 +171,9 @@ class PipelineConfig:
     prefetch_depth: int = 2
     # sample and stage batches on a background thread (the compiled sampler runs without the GIL)
     async_sampling: bool = True
+    # whole training steps (forward, loss, backward, Adam, write-back) replayed from CUDA graphs,
+    # one per batch shape: "auto" (for a model fastopt.optimize returned, on CUDA), "on", "off"
+    step_graphs: str = "auto"
 
 
 @dataclass
@@ -265,6 +268,8 @@ class Config:
                self.cache.placement, "one of 'auto', 'device', 'host'")
         _check(0.0 < self.cache.device_budget_fraction <= 1.0, "cache.device_budget_fraction",
                self.cache.device_budget_fraction, "in (0, 1]")
+        _check(self.pipeline.step_graphs in ("auto", "on", "off"), "pipeline.step_graphs",
+               self.pipeline.step_graphs, "one of 'auto', 'on', 'off'")
         _check(self.train.optimize in ("auto", "on", "off"), "train.optimize", self.train.optimize,
                "one of 'auto' (on CUDA), 'on', 'off'")
         _check(0.0 <= self.cache.budget_fraction <= 1.0, "cache.budget_fraction",

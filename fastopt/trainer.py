@@ -7,12 +7,13 @@ back the model's memory and mailbox (after the step, so no event sees its own ba
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from fastopt.runtime.loader import EventBatch, Loader, NegativeSampler, StageTim
 
 __all__ = ["Trainer", "EventBatch", "resolve_device", "make_sampler", "make_optimizer", "NegativeSampler"]
 
-STAGES = ("sample", "gather", "forward", "backward", "update")
+STAGES = ("sample", "gather", "forward", "backward", "update", "step")
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -62,12 +63,22 @@ def make_sampler(graph: TemporalGraph, fanouts, strategy: str, config: Config):
     return NumpySampler(graph, fanouts, strategy, seed=config.train.seed, undirected=config.sampler.undirected)
 
 
-def make_optimizer(params, lr: float, device: torch.device) -> torch.optim.Optimizer:
+def make_optimizer(params, lr: float, device: torch.device, capturable: bool = False) -> torch.optim.Optimizer:
     """Adam; on CUDA the fused implementation (one launch per group of tensors, steps kept on the
-    device, so an optimizer step never waits for the host)."""
+    device, so an optimizer step never waits for the host), or with ``capturable`` the
+    multi-tensor one that a CUDA graph can capture (its launches cost nothing inside a graph)."""
+    if device.type == "cuda" and capturable:
+        return torch.optim.Adam(params, lr=lr, foreach=True, capturable=True)
     if device.type == "cuda":
         return torch.optim.Adam(params, lr=lr, fused=True)
     return torch.optim.Adam(params, lr=lr)
+
+
+def wants_step_graphs(config: Config, device: torch.device, optimized: bool) -> bool:
+    """Whether ``config.pipeline.step_graphs`` asks for whole-step CUDA graphs (``"auto"``: for an
+    optimized model on CUDA)."""
+    mode = config.pipeline.step_graphs
+    return device.type == "cuda" and (mode == "on" or (mode == "auto" and optimized))
 
 
 def wants_optimize(config: Config, device: torch.device) -> bool:
@@ -119,7 +130,15 @@ class Trainer:
 
             model = optimize(model, config=self.config)
         self.model = model
-        self.optimizer = make_optimizer(self.model.parameters(), tc.lr, self.device)
+        capture = wants_step_graphs(self.config, self.device, hasattr(model, "fastopt_report"))
+        self.optimizer = make_optimizer(self.model.parameters(), tc.lr, self.device, capturable=capture)
+        self._step_graphs = None
+        if capture:
+            from fastopt.runtime.step_graph import StepGraphs
+
+            self._step_graphs = StepGraphs(
+                lambda tensors, constant: self._whole_step(tensors, *constant),
+                max_graphs=self.config.passes.max_graphs)
         self.sampler = make_sampler(graph, list(getattr(model, "fanouts", [])),
                                     getattr(model, "strategy", "recent"), self.config)
         self.loader = Loader(graph, self.sampler, self.device, self.config)
@@ -196,21 +215,14 @@ class Trainer:
                           bytes_h2d=self.loader.bytes_moved() - moved)
 
     def _step(self, batch: EventBatch, timer: StageTimer, train: bool):
-        model, inputs = self.model, batch.inputs
-        b, extra_neg = batch.size, batch.extra
+        """One batch: a training step (returns the loss) or an evaluation (returns the scores)."""
+        if train and self._step_graphs is not None:
+            tensors, spec = _flatten(batch.inputs, batch.event_feat)
+            with timer("step"):
+                return self._step_graphs(tensors, constant=(batch.size, spec))
+        model, inputs, b = self.model, batch.inputs, batch.size
         with timer("forward"):
-            # the module call, not .embed(): an optimized model's CUDA graphs wrap its forward
-            h = model(inputs)
-            h_src = h[:b]
-            pos = model.score(h_src, h[b : 2 * b])
-            negs = model.score(h_src, h[2 * b : 3 * b])
-            loss = F.binary_cross_entropy_with_logits(pos, torch.ones_like(pos)) + \
-                F.binary_cross_entropy_with_logits(negs, torch.zeros_like(negs))
-            extra = None
-            if extra_neg is not None:
-                n_extra = extra_neg.shape[1]
-                h_extra = h[3 * b :].view(b, n_extra, -1)
-                extra = model.score(h_src.unsqueeze(1).expand(-1, n_extra, -1), h_extra)
+            loss, pos, negs, extra = self._scores(inputs, b, batch.extra)
         if train:
             with timer("backward"):
                 self.optimizer.zero_grad(set_to_none=True)
@@ -222,6 +234,35 @@ class Trainer:
         if train:
             return loss.detach()
         return pos.detach(), negs.detach(), None if extra is None else extra.detach()
+
+    def _scores(self, inputs: GraphInputs, b: int, extra_neg: Optional[np.ndarray]):
+        """Embed, score positives and negatives, BCE loss (and evaluation negatives' scores)."""
+        model = self.model
+        # the module call, not .embed(): an optimized model's CUDA graphs wrap its forward
+        h = model(inputs)
+        h_src = h[:b]
+        pos = model.score(h_src, h[b : 2 * b])
+        negs = model.score(h_src, h[2 * b : 3 * b])
+        loss = F.binary_cross_entropy_with_logits(pos, torch.ones_like(pos)) + \
+            F.binary_cross_entropy_with_logits(negs, torch.zeros_like(negs))
+        extra = None
+        if extra_neg is not None:
+            n_extra = extra_neg.shape[1]
+            h_extra = h[3 * b :].view(b, n_extra, -1)
+            extra = model.score(h_src.unsqueeze(1).expand(-1, n_extra, -1), h_extra)
+        return loss, pos, negs, extra
+
+    def _whole_step(self, tensors: List[torch.Tensor], b: int, spec: tuple) -> torch.Tensor:
+        """Forward, loss, backward, optimizer step and write-back of one training batch (the step
+        :class:`~fastopt.runtime.step_graph.StepGraphs` captures)."""
+        inputs, event_feat = _unflatten(tensors, spec)
+        loss, _, _, _ = self._scores(inputs, b, None)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        roots, ts = inputs.nodes[0], inputs.times[0]
+        self.model.commit(roots[:b], roots[b : 2 * b], ts[:b], event_feat)
+        return loss.detach()
 
     # ----------------------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -321,3 +362,29 @@ class _Quiet:
 
     def set_postfix(self, **kwargs) -> None:
         pass
+
+
+def _flatten(inputs: GraphInputs, event_feat: torch.Tensor):
+    """The tensors of a training batch in a fixed order, and the list lengths that rebuild it."""
+    names = [f.name for f in dataclasses.fields(inputs)]
+    tensors, spec = [], []
+    for name in names:
+        value = getattr(inputs, name)
+        if isinstance(value, list):
+            tensors.extend(value)
+            spec.append(len(value))
+        elif value is None:
+            spec.append(None)
+        else:
+            tensors.append(value)
+            spec.append(-1)
+    tensors.append(event_feat)
+    return tensors, tuple(spec)
+
+
+def _unflatten(tensors: List[torch.Tensor], spec: tuple):
+    it = iter(tensors)
+    values = {}
+    for f, n in zip(dataclasses.fields(GraphInputs), spec):
+        values[f.name] = None if n is None else next(it) if n == -1 else [next(it) for _ in range(n)]
+    return GraphInputs(**values), next(it)

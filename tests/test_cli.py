@@ -50,3 +50,28 @@ def test_data_info_and_synth(tmp_path, capsys):
     gaps, real_gaps = np.diff(g.ts), np.diff(load_file(resolve_dataset("wikipedia")).ts)
     assert gaps.min() >= 0  # inter-event times are drawn from the real ones
     assert 0.5 <= (np.mean(gaps) + 1e-9) / (np.mean(real_gaps) + 1e-9) <= 2.0
+
+
+def test_bench_end_to_end_writes_json(tiny_file, tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    rc = main(["bench", "--dataset", str(tiny_file), "--model", "tgn", "--epochs", "2",
+               "--batch-size", "400", "--device", "cpu", "--contenders", "tgl,eager,fastopt",
+               "--json", str(out_json), "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    record = json.loads(out_json.read_text())
+    names = [r["contender"] for r in record["results"]]
+    assert names == ["tgl", "eager", "fastopt"]
+    for r in record["results"]:
+        assert len(r["epoch_seconds"]) == 2 and r["steady_epoch_s"] > 0 and 0 <= r["test_ap"] <= 1
+        assert r["verified"]
+    # one seed, one initialization, one data path: TGL's path and the device path train identically
+    tgl, eager = record["results"][0], record["results"][1]
+    assert tgl["test_ap"] == eager["test_ap"] and tgl["val_ap"] == eager["val_ap"]
+    assert record["command"] and record["git_commit"] and record["model"] == "tgn"
+    assert "contender" in out and "fastopt" in out
+
+
+def test_bench_rejects_unknown_contenders(capsys):
+    assert main(["bench", "--contenders", "eager,tensorflow", "--device", "cpu"]) == 2
+    assert "unknown contender" in capsys.readouterr().err

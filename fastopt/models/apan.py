@@ -35,7 +35,7 @@ class APAN(MemoryModel):
         mem = self.memory
         mails = mem.mails[nodes]
         newest = mem.latest_mail(nodes)[1]
-        age = (newest.unsqueeze(1) - mem.mail_ts[nodes]).float()
+        age = (newest.unsqueeze(1) - mem.mail_ts[nodes]).to(mails.dtype)
         mask = mem.mail_mask(nodes)
         no_feat = mails.new_zeros(mails.shape[0], mails.shape[1], 0)
         new = self.updater(mem.memory[nodes], mails, no_feat, age, mask)

@@ -37,7 +37,7 @@ class JODIE(MemoryModel):
         mem = self.memory
         since = torch.where(mem.pending[roots], mem.latest_mail(roots)[1], mem.last_update[roots])
         # Δt is scaled to days-like units so the projection starts near identity.
-        dt = ((times.to(since.dtype) - since) / 86400.0).float().unsqueeze(1)
+        dt = ((times.to(since.dtype) - since) / 86400.0).to(memory.dtype).unsqueeze(1)
         h = memory * (1 + self.time_proj(dt))
         if self.node_proj is not None:
             h = h + self.node_proj(inputs.node_feat[0])

@@ -38,7 +38,7 @@ class MemoryModel(TGNNModel):
         """``cell([mail, enc(t_mail - t_last)], memory)`` where a mail is pending, else the memory."""
         mem = self.memory
         mail, mail_ts = mem.latest_mail(nodes)
-        delta = (mail_ts - mem.last_update[nodes]).float()
+        delta = (mail_ts - mem.last_update[nodes]).to(mem.memory.dtype)
         new = cell(torch.cat([mail, mail_time(delta)], dim=1), mem.memory[nodes])
         return torch.where(mem.pending[nodes].unsqueeze(1), new, mem.memory[nodes])
 
@@ -60,7 +60,7 @@ class MemoryModel(TGNNModel):
         table = self.updated_memory(unique)
         inverse = inverse[: roots.shape[0]]  # the roots lead the nodes the inverse covers
         self._fresh = (table.detach(), inverse)
-        return table[inverse]
+        return table.index_select(0, inverse)  # backward: index_add_, not a sort per call
 
     @torch.no_grad()
     def commit(self, src, dst, ts, edge_feat) -> None:

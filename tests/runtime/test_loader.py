@@ -1,0 +1,205 @@
+"""The loader: same batches and features on every path, unique nodes, clean stops, dense user models."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastopt.config import Config
+from fastopt.models import build_model
+from fastopt.models.base import TGNNModel
+from fastopt.runtime import GraphInputs, Loader
+from fastopt.runtime.inputs import bucket
+from fastopt.sampling import NumpySampler
+from fastopt.trainer import Trainer
+
+TINY = {"tgn": dict(memory_dim=8, dim=8, time_dim=4), "tgat": dict(dim=8, time_dim=4, fanouts=(3, 2)),
+        "jodie": dict(memory_dim=8, dim=8, time_dim=4), "apan": dict(memory_dim=8, dim=8, time_dim=4)}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def config(**sets) -> Config:
+    cfg = Config()
+    cfg.train.device, cfg.train.batch_size, cfg.train.mrr_negatives = "cpu", 200, 3
+    for key, value in sets.items():
+        cfg.set(key.replace("__", "."), value)
+    return cfg
+
+
+def reference_inputs(graph, sampler, roots, times) -> GraphInputs:
+    """What a model must receive, built the obvious way: per slot, from the whole tables."""
+    batch = sampler.sample(roots, times)
+    node_t = torch.from_numpy(graph.node_feat)
+    edge_t = torch.from_numpy(graph.edge_feat)
+    nodes = [torch.from_numpy(roots)] + [b.nbr_nodes.reshape(-1) for b in batch.blocks]
+    times_ = [torch.from_numpy(times)] + [b.nbr_times.reshape(-1) for b in batch.blocks]
+    return GraphInputs(nodes, times_, [node_t[n.clamp(min=0)] for n in nodes],
+                       [edge_t[b.nbr_eids.clamp(min=0)] for b in batch.blocks],
+                       [b.dt for b in batch.blocks], [b.mask for b in batch.blocks])
+
+
+@pytest.mark.parametrize("placement,dedup", [("device", True), ("host", True), ("host", False)])
+def test_every_path_gives_the_reference_inputs_bitwise(small_graph, placement, dedup):
+    cfg = config(cache__placement=placement, sampler__dedup=dedup)
+    fanouts = [3, 2]
+    loader = Loader(small_graph, NumpySampler(small_graph, fanouts, "uniform", seed=5), torch.device("cpu"), cfg)
+    oracle = NumpySampler(small_graph, fanouts, "uniform", seed=5)
+    with loader.epoch("train", 0) as batches:
+        for batch in batches:
+            got, want = batch.inputs, reference_inputs(small_graph, oracle, batch.roots, batch.times)
+            for name in ("nodes", "times", "node_feat", "edge_feat", "dt", "mask"):
+                for x, y in zip(getattr(got, name), getattr(want, name), strict=True):
+                    assert x.shape == y.shape and torch.equal(x, y), (name, batch.index)
+            everything = torch.cat(got.nodes)
+            assert torch.equal(got.unique_nodes[got.node_inverse], everything)
+            assert torch.equal(got.unique_nodes, torch.unique(everything))  # no padding on the CPU
+            np.testing.assert_array_equal(batch.event_feat.numpy(), small_graph.edge_feat[batch.start:batch.stop])
+
+
+def test_bucket_sizes():
+    assert [bucket(n) for n in (1, 256, 257, 4096, 4097, 5121)] == [256, 256, 320, 4096, 5120, 6144]
+    for n in range(1, 20000, 37):
+        assert n <= bucket(n) <= max(256, int(n * 1.25) + 1)
+
+
+@pytest.mark.parametrize("name", ["tgn", "jodie", "apan"])
+def test_memory_through_unique_nodes_equals_the_per_root_update(small_graph, name):
+    """Updating each unique node once (and committing without host syncs) leaves the same memory
+    and mailbox as updating every root row."""
+    states = []
+    for unique in (True, False):
+        torch.manual_seed(0)
+        t = Trainer(build_model(name, small_graph, **TINY[name]), small_graph, config(), progress=False)
+        if not unique:
+            finish = t.loader.finish
+
+            def dense(staged, finish=finish):
+                batch = finish(staged)
+                batch.inputs.unique_nodes = batch.inputs.node_inverse = None
+                return batch
+
+            t.loader.finish = dense
+        t.model.eval()  # dropout off: the two runs must see the same numbers
+        t.model.reset_state()
+        with torch.no_grad(), t.loader.epoch("train", 0) as batches:
+            for batch in batches:
+                t.model(batch.inputs)
+                roots = batch.inputs.nodes[0]
+                t.model.commit(roots[:batch.size], roots[batch.size:2 * batch.size],
+                               batch.inputs.times[0][:batch.size], batch.event_feat)
+        states.append({k: v.clone() for k, v in t.model.memory.state_dict().items()})
+    for key in states[0]:
+        torch.testing.assert_close(states[0][key], states[1][key], rtol=1e-6, atol=1e-6, msg=key)
+    assert states[0]["pending"].any() and states[0]["memory"].abs().sum() > 0
+
+
+def test_deliver_keeps_the_last_mails_of_each_node():
+    from fastopt.models.memory import NodeMemory
+
+    for slots in (1, 3):
+        mem = NodeMemory(num_nodes=6, dim=2, mail_dim=1, slots=slots)
+        rng = np.random.default_rng(slots)
+        expected = {n: [] for n in range(6)}
+        for _ in range(4):
+            nodes = torch.from_numpy(rng.integers(0, 6, size=9))
+            mails = torch.arange(nodes.numel(), dtype=torch.float32).unsqueeze(1) + 100 * _
+            mem.deliver(nodes, mails, mails.squeeze(1).clone())
+            for n, m in zip(nodes.tolist(), mails.squeeze(1).tolist()):
+                expected[n].append(m)
+        for n, got in expected.items():
+            assert int(mem.mail_count[n]) == len(got)
+            if got:
+                latest, ts = mem.latest_mail(torch.tensor([n]))
+                assert float(latest) == got[-1] and float(ts) == got[-1]
+                kept = sorted(float(x) for x in mem.mails[n, : min(len(got), slots), 0])
+                assert kept == sorted(got[-slots:])
+
+
+class DenseModel(TGNNModel):
+    """A user's model that reads the per-slot tensors only (no unique nodes, no memory)."""
+
+    fanouts = [4]
+    strategy = "recent"
+
+    def __init__(self, edge_dim: int, dim: int = 8) -> None:
+        super().__init__(dim)
+        self.edge = torch.nn.Linear(edge_dim + 1, dim)
+        self.degree = torch.nn.Linear(1, dim)
+
+    def embed(self, inputs: GraphInputs) -> torch.Tensor:
+        x = torch.cat([inputs.edge_feat[0], inputs.dt[0].unsqueeze(-1).log1p()], -1)
+        mask = inputs.mask[0].unsqueeze(-1)
+        count = mask.sum(1)
+        return (F.relu(self.edge(x)) * mask).sum(1) / count.clamp(min=1) + self.degree(count.float().log1p())
+
+
+def test_dense_user_models_still_train(small_graph):
+    torch.manual_seed(0)
+    t = Trainer(DenseModel(small_graph.edge_dim), small_graph, config(train__lr=1e-2), progress=False)
+    hist = t.fit(3)
+    assert hist[-1]["loss"] < hist[0]["loss"]
+    assert t.test_metrics["ap"] > 0.55
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def test_a_failing_stage_stops_every_thread_and_keeps_the_checkpoint(small_graph, tmp_path):
+    torch.manual_seed(0)
+    t = Trainer(build_model("tgn", small_graph, **TINY["tgn"]), small_graph, config(), progress=False,
+                checkpoint_dir=tmp_path)
+    t.fit(1)
+    saved = (tmp_path / "checkpoint.pt").read_bytes()
+    class Failing:
+        """The real sampler, failing at its fourth batch."""
+
+        def __init__(self, real):
+            self.real, self.calls = real, 0
+
+        def reset(self, epoch):
+            self.real.reset(epoch)
+
+        def sample(self, roots, times):
+            self.calls += 1
+            if self.calls == 4:
+                raise Boom("sampler failed")
+            return self.real.sample(roots, times)
+
+    t.sampler = t.loader.sampler = Failing(t.sampler)
+    with pytest.raises(Boom):
+        t.fit(2)
+    assert not [th for th in threading.enumerate() if th.name == "fastopt-loader"]
+    assert (tmp_path / "checkpoint.pt").read_bytes() == saved
+    resumed = Trainer(build_model("tgn", small_graph, **TINY["tgn"]), small_graph, config(), progress=False)
+    resumed.load_checkpoint(tmp_path / "checkpoint.pt")
+    assert resumed.epoch == 1
+
+
+def test_a_consumer_that_stops_early_stops_the_producer(small_graph):
+    loader = Loader(small_graph, NumpySampler(small_graph, [3], "recent"), torch.device("cpu"), config())
+    with loader.epoch("train", 0) as batches:
+        for batch in batches:
+            break
+    assert not [th for th in threading.enumerate() if th.name == "fastopt-loader"]
+
+
+@pytest.mark.slow
+def test_tgn_learns_on_a_small_real_graph(shared_data):
+    from fastopt.data import load_dataset
+
+    graph = load_dataset(shared_data / "CollegeMsg.txt.gz")
+    torch.manual_seed(0)
+    t = Trainer(build_model("tgn", graph, memory_dim=32, dim=32, time_dim=16), graph,
+                config(train__batch_size=200, train__lr=1e-3, train__mrr_negatives=0), progress=False)
+    t.fit(3)
+    assert t.test_metrics["ap"] > 0.75
