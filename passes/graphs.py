@@ -648,7 +648,8 @@ class GraphRunner:
         if mode == "off":
             self.record.state, self.record.reason = "off", "config.passes.cuda_graphs = 'off'"
             return plain(*args, **kwargs)
-        if self._off is not None or getattr(_LOCAL, "depth", 0) or torch.compiler.is_compiling():
+        # inside any capture (a runner's warm-ups or an enclosing whole-step graph) run the plain code
+        if self._off is not None or capturing() or torch.compiler.is_compiling():
             return plain(*args, **kwargs)
         if self._verifying:
             if any(m.__dict__.get("_fastopt_verify", 0) > 0 for m in self._verifying):

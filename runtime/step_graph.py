@@ -7,9 +7,9 @@ batch shape once and replays it for every later batch of that shape, the way PyT
 whole-network capture does:
 
 * **Signature.** A step is keyed by the shapes and dtypes of its input tensors and a hashable
-  constant (the batch size). The first ``warmup`` steps of a signature run eagerly (they are
-  real training steps: kernels compile, the optimizer creates its state, libraries allocate
-  their workspaces); the next one is captured into a graph and replayed at once for its own batch;
+  constant (the batch size). The first ``warmup`` steps of a signature (default one) run eagerly
+  (they are real training steps: kernels compile, the optimizer creates its state, libraries
+  allocate their workspaces); the next one is captured into a graph and replayed at once for its own batch;
   later ones copy their inputs into the graph's static buffers and replay. At most
   ``max_graphs`` signatures are kept (least recently used evicted); the graphs share one memory
   pool.
@@ -59,7 +59,7 @@ class StepGraphs:
         max_graphs: signatures kept.
     """
 
-    def __init__(self, step: Callable[[List[Tensor], Hashable], object], *, warmup: int = 2, max_graphs: int = 4) -> None:
+    def __init__(self, step: Callable[[List[Tensor], Hashable], object], *, warmup: int = 1, max_graphs: int = 4) -> None:
         self.step = step
         self.warmup = int(warmup)
         self.max_graphs = int(max_graphs)
@@ -100,7 +100,8 @@ class StepGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: the loader's thread keeps copying the next batches during a capture
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self.step(static, constant)
         except Exception as exc:  # a step that cannot be captured runs eagerly from now on
             self.disabled = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -38,7 +38,7 @@ def test_captured_steps_follow_the_eager_trajectory():
             loss = graphs([x, y]) if captured else step([x, y], None)
             losses.append(float(loss))
         if captured:
-            assert graphs.captures == 1 and graphs.replays == 10 and graphs.disabled is None
+            assert graphs.captures == 1 and graphs.replays == 10 and graphs.disabled is None, graphs.disabled
         results.append((losses, [p.detach().clone() for p in model.parameters()]))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-7)
     for a, b in zip(results[0][1], results[1][1]):
