@@ -30,6 +30,7 @@ Layering: imports nothing of fastopt.
 
 from __future__ import annotations
 
+import traceback
 import warnings
 from collections import OrderedDict
 from typing import Callable, Hashable, List, Optional, Sequence, Tuple
@@ -64,6 +65,7 @@ class StepGraphs:
         self.warmup = int(warmup)
         self.max_graphs = int(max_graphs)
         self.disabled: Optional[str] = None
+        self.disabled_trace = ""
         self.captures = 0
         self.replays = 0
         self._entries: "OrderedDict[Hashable, _Entry]" = OrderedDict()
@@ -104,7 +106,10 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self.step(static, constant)
         except Exception as exc:  # a step that cannot be captured runs eagerly from now on
-            self.disabled = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            self.disabled = (f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+                             f"(at {frame.filename}:{frame.lineno} in {frame.name})")
+            self.disabled_trace = "".join(traceback.format_exception(exc))
             self._entries.clear()
             warnings.warn(f"fastopt: whole-step CUDA graphs are off for this run ({self.disabled}); "
                           f"steps run eagerly", RuntimeWarning, stacklevel=3)
