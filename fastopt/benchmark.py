@@ -119,7 +119,9 @@ def _run(model: nn.Module, inputs) -> Dict[str, torch.Tensor]:
         model.reset_state()  # the check leaves no memory behind
     (h.square().mean() + h.sum() * 1e-3).backward()
     out = {"output": h.detach()}
-    out.update({f"grad {k}": p.grad for k, p in model.named_parameters() if p.grad is not None})
+    # torch.compile's wrapper names parameters "_orig_mod.<name>"
+    out.update({f"grad {k.removeprefix('_orig_mod.')}": p.grad for k, p in model.named_parameters()
+                if p.grad is not None})
     model.zero_grad(set_to_none=True)
     return out
 

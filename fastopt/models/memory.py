@@ -48,7 +48,7 @@ class NodeMemory(nn.Module):
         come with the same row each time)."""
         self.memory[nodes] = memory.detach()
         self.last_update[nodes] = times
-        self.pending[nodes] = False
+        self.pending.index_fill_(0, nodes, False)  # a fill, no host scalar copied (capturable)
 
     @torch.no_grad()
     def deliver(self, nodes: torch.Tensor, mails: torch.Tensor, times: torch.Tensor) -> None:
@@ -77,7 +77,7 @@ class NodeMemory(nn.Module):
         self.mails[ids, slot[writer]] = mails[src[writer]]
         self.mail_ts[ids, slot[writer]] = times[src[writer]]
         self.mail_count.index_add_(0, ids, torch.ones_like(ids))
-        self.pending[ids] = True
+        self.pending.index_fill_(0, ids, True)
 
     def latest_mail(self, nodes: torch.Tensor):
         """The most recent mail and its time for each node (slot before the write position)."""
