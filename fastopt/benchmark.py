@@ -39,7 +39,7 @@ from torch import nn
 from fastopt.config import Config
 from fastopt.errors import ConfigError, FastOptError
 
-__all__ = ["CONTENDERS", "BenchResult", "run_bench", "format_table", "verify_against_eager"]
+__all__ = ["CONTENDERS", "BenchResult", "run_bench", "format_table", "verify_against_eager", "git_commit"]
 
 CONTENDERS = ("tgl", "eager", "compile", "compile-ro", "pyg", "fastopt")
 # Relative error allowed between a contender's outputs/gradients and eager's (fp32).
@@ -294,6 +294,30 @@ def plot(results: Sequence[BenchResult], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def git_commit(cwd: Optional[str] = None) -> str:
+    """HEAD of the checkout holding ``cwd`` (default: this package), ``+dirty`` when tracked files
+    differ from it.
+
+    ``$FASTOPT_GIT_COMMIT``, where set, wins: a tree copied onto a GPU machine may carry no
+    ``.git`` or a stale one, and the copying command names the commit it copied. Without either,
+    ``"unknown"``.
+    """
+    import os
+    import subprocess
+
+    if os.environ.get("FASTOPT_GIT_COMMIT"):
+        return os.environ["FASTOPT_GIT_COMMIT"]
+    cwd = cwd or os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def timestamp() -> str:

@@ -143,7 +143,7 @@ def _cmd_bench(args) -> int:
     import torch
 
     from fastopt import __version__
-    from fastopt.benchmark import format_table, plot, run_bench, timestamp
+    from fastopt.benchmark import format_table, git_commit, plot, run_bench, timestamp
     from fastopt.data import load_dataset
 
     cfg = _build_config(args)
@@ -165,7 +165,7 @@ def _cmd_bench(args) -> int:
         from pathlib import Path
 
         record = {"date": timestamp(), "device": str(device), "gpu": gpu, "torch": torch.__version__,
-                  "fastopt": __version__, "git_commit": _git_commit(),
+                  "fastopt": __version__, "git_commit": git_commit(),
                   "command": "fastopt " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("fastopt") else " ".join(sys.argv),
                   "dataset": graph.name, "model": args.model, "batch_size": tc.batch_size,
                   "epochs": args.epochs, "edge_dim": graph.edge_dim, "config": cfg.to_dict(),
@@ -177,21 +177,6 @@ def _cmd_bench(args) -> int:
         plot(results, args.plot, f"{args.model} on {graph.name}, batch {tc.batch_size}, {gpu}")
         print(f"wrote {args.plot}")
     return 0
-
-
-def _git_commit() -> str:
-    """``$FASTOPT_GIT_COMMIT`` or the checkout's HEAD (``unknown`` outside a checkout)."""
-    import os
-    import subprocess
-
-    if os.environ.get("FASTOPT_GIT_COMMIT"):
-        return os.environ["FASTOPT_GIT_COMMIT"]
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _cmd_info(args) -> int:

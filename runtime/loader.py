@@ -133,14 +133,12 @@ class StageTimer:
 
     def totals(self) -> Dict[str, float]:
         """Seconds per stage (waits for the recorded events: call at the end of an epoch)."""
-        out = defaultdict(float, self._host)
         for stage, pairs in self._events.items():
             for start, end in pairs:
                 end.synchronize()
-                out[stage] += start.elapsed_time(end) / 1e3
-        self._host.update({k: v for k, v in out.items()})
+                self._host[stage] += start.elapsed_time(end) / 1e3
         self._events.clear()
-        return dict(out)
+        return dict(self._host)
 
 
 class _Stage:
@@ -169,6 +167,7 @@ class _Staged:
     """A batch on its way to the device: tensors (device copies in flight) and the copy's event."""
 
     batch: EventBatch
+    layers: int = 0  # sampled layers
     tensors: Dict[str, object] = field(default_factory=dict)
     event: Optional[torch.cuda.Event] = None
     pending: Optional[object] = None  # SlimCache.stage() of the edge features, finished on use
@@ -263,13 +262,10 @@ class Loader:
     def inputs_for(self, roots: np.ndarray, times: np.ndarray) -> GraphInputs:
         """The model's inputs for arbitrary ``roots`` at ``times``, built synchronously."""
         roots = np.asarray(roots, dtype=np.int64)
-        n = roots.shape[0]
         batch = EventBatch(-1, 0, 0, roots, roots[:0], np.asarray(times, dtype=np.float64)[:0],
                            roots[:0])
         staged = self.stage(batch, roots=roots, times=np.asarray(times, dtype=np.float64))
-        out = self.finish(staged)
-        assert out.inputs.num_roots == n
-        return out.inputs
+        return self.finish(staged).inputs
 
     # ------------------------------------------------------------------------ staging
     def stage(self, batch: EventBatch, roots: Optional[np.ndarray] = None,
@@ -299,7 +295,7 @@ class Loader:
             values = torch.cat([values, values.new_zeros(padded - values.numel())])
         ints["unique_nodes"] = values
         ints["node_inverse"] = unique.inverse.reshape(-1)
-        staged = _Staged(batch)
+        staged = _Staged(batch, len(blocks))
         host_feats = self._host_features(batch, blocks, ints, staged)
         self._upload(staged, {"i64": ints, "f64": floats64, "f32": floats32, "bool": bools,
                               **host_feats})
@@ -335,7 +331,8 @@ class Loader:
         return out
 
     def _upload(self, staged: _Staged, groups: Dict[str, Dict[str, torch.Tensor]]) -> None:
-        """One copy per group (packed flat when it holds several tensors), on the copy stream."""
+        """Copies on the copy stream: the small tensors of a group packed into one pinned buffer
+        and copied at once; rows already gathered into pinned memory copied as they are."""
         if not self.cuda:
             for group in groups.values():
                 staged.tensors.update(group)
@@ -345,11 +342,11 @@ class Loader:
                 if not group:
                     continue
                 tensors = list(group.values())
-                if len(tensors) == 1 or len({t.dtype for t in tensors}) > 1 or any(t.dim() > 3 for t in tensors):
-                    parts = [t.pin_memory() if not t.is_pinned() else t for t in tensors]
-                    moved = [p.to(self.device, non_blocking=True) for p in parts]
-                else:
-                    flat = torch.cat([t.reshape(-1) for t in tensors]).pin_memory()
+                if all(t.is_pinned() for t in tensors):
+                    moved = [t.to(self.device, non_blocking=True) for t in tensors]
+                else:  # one dtype per group (the loader builds them so)
+                    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=True)
+                    torch.cat([t.reshape(-1) for t in tensors], out=flat)
                     dev = flat.to(self.device, non_blocking=True)
                     moved = [piece.view(t.shape) for piece, t in
                              zip(torch.split(dev, [t.numel() for t in tensors]), tensors)]
@@ -363,12 +360,11 @@ class Loader:
     def _gather_device(self, staged: _Staged) -> None:
         """Per-slot feature rows from device tables (on the stream this is called on)."""
         t, batch = staged.tensors, staged.batch
-        sets = [t["roots"]] + [t[k].reshape(-1) for k in sorted(t) if k.startswith("nbr")]
+        sets = [t["roots"]] + [t[f"nbr{i}"].reshape(-1) for i in range(staged.layers)]
         if self.node_table is not None:
             t["node_feat"] = [self.node_table[n.clamp(min=0)] for n in sets]
         if self.edge_table is not None:
-            layers = sorted(k for k in t if k.startswith("eid"))
-            t["edge_feat"] = [self.edge_table[t[k].clamp(min=0)] for k in layers]
+            t["edge_feat"] = [self.edge_table[t[f"eid{i}"].clamp(min=0)] for i in range(staged.layers)]
             t["event_rows"] = self.edge_table[batch.start:batch.stop]
 
     def finish(self, staged: _Staged) -> EventBatch:
@@ -382,7 +378,7 @@ class Loader:
                     tensor.record_stream(current)
         if self.placement == "device" and not self.cuda:
             self._gather_device(staged)
-        layers = len([k for k in t if k.startswith("nbr")])
+        layers = staged.layers
         nodes = [t["roots"]] + [t[f"nbr{i}"].reshape(-1) for i in range(layers)]
         times = [t["times"]] + [t[f"ntime{i}"].reshape(-1) for i in range(layers)]
         dt = [t[f"dt{i}"] for i in range(layers)]

@@ -27,6 +27,17 @@ def shared_data() -> Path:
     return path
 
 
+@pytest.fixture
+def one_thread():
+    """Bitwise reproducibility holds for a fixed number of BLAS threads; pin it to one."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="session")
 def wikipedia() -> TemporalGraph:
     return load_dataset("wikipedia")

@@ -15,13 +15,7 @@ TINY = {"tgn": dict(memory_dim=8, dim=8, time_dim=4), "tgat": dict(dim=8, time_d
         "jodie": dict(memory_dim=8, dim=8, time_dim=4)}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Bitwise reproducibility holds for a fixed number of BLAS threads; pin it to one."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # bitwise reproducibility needs fixed BLAS threads
 
 
 def make(graph, name="tgn", seed=0, **train):

@@ -19,12 +19,7 @@ TINY = {"tgn": dict(memory_dim=8, dim=8, time_dim=4), "tgat": dict(dim=8, time_d
         "jodie": dict(memory_dim=8, dim=8, time_dim=4), "apan": dict(memory_dim=8, dim=8, time_dim=4)}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def config(**sets) -> Config:
