@@ -24,8 +24,9 @@ plan -> sample -> stage -> :class:`~fastopt.runtime.GraphInputs`, ahead of the s
   ``sampler.dedup`` only a batch's unique rows travel; without it every sampled slot's row does
   (the path of loaders that copy per slot).
 * **Hand over.** The model receives per-slot tensors (expanded on the device) and the batch's
-  unique nodes with their inverse index, the unique count padded to a bucketed length
-  (:func:`~fastopt.runtime.inputs.bucket`) so that captured graphs see few shapes.
+  unique nodes with their inverse index, the unique count padded on CUDA to the largest bucketed
+  length seen so far (:func:`~fastopt.runtime.inputs.bucket`), so that a captured step sees
+  one shape once batches stop growing.
 
 An exception in the background thread is raised in the consuming thread at the batch where it
 happened; leaving the ``with`` block (normally, by an exception or Ctrl-C) stops the thread and
@@ -210,6 +211,7 @@ class Loader:
 
             self.cache = SlimCache({"edge": CacheTable(self.edge_table)}, self.device, config.cache)
         self.bytes_h2d = 0  # bytes copied host -> device since construction
+        self.unique_rows = 0  # padded length of the unique nodes: only grows (see _pad_unique)
 
     def bytes_moved(self) -> int:
         """Bytes copied host -> device so far: staged batches and the cache's misses."""
@@ -267,6 +269,18 @@ class Loader:
         staged = self.stage(batch, roots=roots, times=np.asarray(times, dtype=np.float64))
         return self.finish(staged).inputs
 
+    def _pad_unique(self, n: int) -> int:
+        """The length a batch's ``n`` unique nodes are padded to on CUDA: the largest bucketed
+        length seen so far. A monotone length gives a captured step one shape for the rest of the
+        run once the batches stop growing (a batch's unique count rises as the history fills and
+        varies from batch to batch; per-batch buckets made a dozen shapes per epoch, more than
+        the graphs kept, and the captures evicted each other every epoch). Padded rows cost the
+        per-node work of at most the largest batch seen."""
+        if not self.cuda:
+            return n
+        self.unique_rows = max(self.unique_rows, bucket(n))
+        return self.unique_rows
+
     # ------------------------------------------------------------------------ staging
     def stage(self, batch: EventBatch, roots: Optional[np.ndarray] = None,
               times: Optional[np.ndarray] = None) -> _Staged:
@@ -290,7 +304,7 @@ class Loader:
         if unique is None:
             unique = Unique.of(ints["roots"])
         values = unique.values
-        padded = bucket(values.numel()) if self.cuda else values.numel()
+        padded = self._pad_unique(values.numel())
         if padded > values.numel():
             values = torch.cat([values, values.new_zeros(padded - values.numel())])
         ints["unique_nodes"] = values

@@ -82,3 +82,25 @@ def test_trainer_with_step_graphs_matches_eager_steps(small_graph, name):
     assert abs(runs[0][1] - runs[1][1]) < 1e-3
     for key in runs[0][2]:
         torch.testing.assert_close(runs[0][2][key], runs[1][2][key], rtol=1e-3, atol=1e-4, msg=key)
+
+
+def test_a_run_settles_on_one_captured_shape_per_batch_size(small_graph):
+    """The unique nodes are padded to the largest length seen, so a later epoch captures nothing new
+    (per-batch lengths used to make more shapes than the graphs kept: a capture every few steps)."""
+    cfg = Config()
+    cfg.train.device, cfg.train.batch_size, cfg.train.mrr_negatives = "cuda", 200, 0
+    cfg.train.optimize, cfg.pipeline.step_graphs = "on", "on"
+    torch.manual_seed(0)
+    t = Trainer(build_model("tgn", small_graph, memory_dim=16, dim=16, time_dim=8), small_graph, cfg, progress=False)
+    lengths, captures = [], []
+    for epoch in range(3):
+        with t.loader.epoch("train", epoch) as batches:
+            for batch in batches:
+                nodes = torch.cat(batch.inputs.nodes)
+                assert torch.equal(batch.inputs.unique_nodes[batch.inputs.node_inverse], nodes)
+                assert batch.inputs.unique_nodes.numel() >= torch.unique(nodes).numel()
+                lengths.append(batch.inputs.unique_nodes.numel())
+        t.train_epoch(epoch)
+        captures.append(t._step_graphs.captures)
+    assert lengths == sorted(lengths)  # never shrinks
+    assert captures[2] == captures[1] and t._step_graphs.disabled is None
