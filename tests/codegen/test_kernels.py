@@ -8,6 +8,7 @@ with no valid neighbor and a row with all of them; outputs are NaN-poisoned befo
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -239,6 +240,27 @@ def test_time_encode_matches_reference(device):
     w = randn(100, generator=gen, device=device, scale=0.1)
     b = randn(100, generator=gen, device=device)
     _check_against_reference(cg.time_encode, reference.time_encode, (dt, w, b), {})
+
+
+def test_time_encode_is_accurate_at_the_phases_of_real_time_gaps(device):
+    """Seconds between events times TGN's frequencies (1 down to 1e-9) give phases up to 3e6,
+    where the GPU's approximate cosine is off by far more than float32 rounding: the kernel
+    reduces the phase first, so its error stays within the rounding of the phase itself, as
+    torch's float32 eager encoding does."""
+    gen = torch.Generator().manual_seed(3)
+    dt = torch.rand(4000, generator=gen) * 3e6
+    dt[:100] = torch.rand(100, generator=gen)  # and small gaps
+    w = torch.from_numpy(1.0 / 10 ** np.linspace(0, 9, 100, dtype=np.float32))
+    b = randn(100, generator=gen, device="cpu", scale=0.1)
+    out = cg.time_encode(dt.to(device), w.to(device), b.to(device)).cpu().double()
+    product = dt.double()[:, None] * w.double()
+    truth = torch.cos(product + b.double())
+    # float32 rounds the product and the sum: half an ulp each, about |x| * 2^-24
+    bound = (product.abs() + (product + b.double()).abs()) * 2.0 ** -24 + 4e-6
+    eager = torch.cos(dt[:, None] * w + b).double()
+    assert torch.all((eager - truth).abs() <= bound)  # the bound holds for torch itself
+    excess = ((out - truth).abs() - bound).max()
+    assert excess <= 0, f"time encoding off by {float(excess):.3g} beyond float32 rounding"
 
 
 def test_indexed_backward_is_deterministic(device):
