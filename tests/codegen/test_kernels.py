@@ -243,10 +243,9 @@ def test_time_encode_matches_reference(device):
 
 
 def test_time_encode_is_accurate_at_the_phases_of_real_time_gaps(device):
-    """Seconds between events times TGN's frequencies (1 down to 1e-9) give phases up to 3e6,
-    where the GPU's approximate cosine is off by far more than float32 rounding: the kernel
-    reduces the phase first, so its error stays within the rounding of the phase itself, as
-    torch's float32 eager encoding does."""
+    """Seconds between events times TGN's frequencies (1 down to 1e-9) give phases up to 3e6: the
+    kernel's error stays within the float32 rounding of the phase, as torch's eager encoding's does
+    (a cosine approximated in hardware would be off by far more there)."""
     gen = torch.Generator().manual_seed(3)
     dt = torch.rand(4000, generator=gen) * 3e6
     dt[:100] = torch.rand(100, generator=gen)  # and small gaps

@@ -66,8 +66,8 @@ def test_trainer_with_step_graphs_matches_eager_steps(small_graph, name):
     After more epochs a recurrent memory is compared by its bulk only: it amplifies float32
     rounding (two runs of one configuration, uncaptured, already differ in a few hundred of 147k
     memory entries beyond rtol 1e-3 after two epochs and evaluation), and a captured step rounds
-    differently from the uncaptured one where the kernels differ (the time encoding of a phase
-    near 1e5 moves by ~1e-2 per ulp of its phase)."""
+    differently from the uncaptured one where the kernels differ (a time encoding's phase near 1e5
+    has an ulp of ~1e-2)."""
     kwargs = {"tgn": dict(memory_dim=16, dim=16, time_dim=8, dropout=0.0),
               "tgat": dict(dim=16, time_dim=8, fanouts=(4, 3), dropout=0.0)}[name]
     runs = []
