@@ -9,26 +9,33 @@ file in the same directory, then ``os.replace``), so concurrent processes never 
 module; each module has a JSON sidecar with its key, which :meth:`KernelCache.describe` uses to
 explain a miss ("the entry for this source differs in: triton_version ...").
 
+An entry on disk is trusted only after its bytes hash to the SHA-256 of the text its key stands
+for: a truncated or altered file is rewritten and reported (a ``RuntimeWarning``), never imported,
+and the module is executed from the text that was checked, not read again.
+
 Layout: ``<cache_dir>/fo_<family>_<digest16>.py`` (+ ``.json``), the kernel inside named
 ``fo_<family>_<digest8>``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import linecache
 import os
 import sys
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Dict, Optional, Tuple
+from typing import BinaryIO, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 
@@ -37,7 +44,7 @@ from fastopt.config import default_config
 from fastopt.errors import KernelError
 
 __all__ = ["CacheKey", "KernelCache", "kernel_cache", "device_identity", "default_cache_dir",
-           "KERNEL_NAME_PLACEHOLDER"]
+           "KERNEL_NAME_PLACEHOLDER", "atomic_file"]
 
 # Name of the kernel in a rendered template before the cache names it fo_<family>_<hash8>.
 KERNEL_NAME_PLACEHOLDER = "fo_kernel_unnamed"
@@ -132,19 +139,50 @@ class CacheKey:
         return "\n".join(lines)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the whole new one."""
+@contextlib.contextmanager
+def atomic_file(path: Union[str, os.PathLike], mode: int = 0o644) -> Iterator[BinaryIO]:
+    """A binary file to write ``path`` through, so that readers see the old file or the whole new
+    one: the data goes to a temporary file in the same folder, is flushed to disk, and is renamed
+    over ``path`` when the block ends without an error (else the temporary file is removed). A
+    process killed mid-write leaves at most a hidden ``.<name>.*.tmp`` beside the old file;
+    concurrent writers each rename their own whole file.
+
+    Args:
+        path: the file to replace.
+        mode: permission bits of the new file, less the umask (``mkstemp`` alone gives 0600).
+    """
+    path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            yield handle
             handle.flush()
             os.fsync(handle.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, mode & ~umask)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _entry_problem(path: Path, text: str) -> Optional[str]:
+    """Why the entry at ``path`` cannot stand for ``text`` (``"missing"``, altered, unreadable), or
+    None when its bytes hash to the SHA-256 of ``text``."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return f"cannot be read ({exc})"
+    expected = hashlib.sha256(text.encode()).hexdigest()
+    found = hashlib.sha256(raw).hexdigest()
+    if found != expected:
+        return (f"does not match its key: content SHA-256 {found[:16]}... ({len(raw)} bytes), "
+                f"expected {expected[:16]}... ({len(text.encode())} bytes); truncated or altered")
+    return None
 
 
 class KernelCache:
@@ -158,7 +196,7 @@ class KernelCache:
         self.root = Path(root)
         self._modules: Dict[str, ModuleType] = {}
         self._lock = threading.Lock()
-        self.stats = {"memory_hits": 0, "disk_hits": 0, "writes": 0}
+        self.stats = {"memory_hits": 0, "disk_hits": 0, "writes": 0, "rebuilt": 0}
 
     def paths(self, key: CacheKey) -> Tuple[Path, Path]:
         """The module file and its JSON sidecar for ``key``."""
@@ -181,19 +219,26 @@ class KernelCache:
                 return getattr(module, key.kernel_name)
             path, meta = self.paths(key)
             text = source.replace(KERNEL_NAME_PLACEHOLDER, key.kernel_name)
-            if path.exists() and path.read_text() == text:
+            problem = _entry_problem(path, text)
+            if problem is None:
                 self.stats["disk_hits"] += 1
             else:
+                if problem != "missing":
+                    self.stats["rebuilt"] += 1
+                    warnings.warn(f"kernel cache entry {path} {problem}; it was rebuilt from the "
+                                  f"generated source, not imported", RuntimeWarning, stacklevel=2)
                 self._write(path, meta, key, text)
-            module = self._import(path, key)
+            module = self._import(path, key, text)
             self._modules[key.digest] = module
             return getattr(module, key.kernel_name)
 
     def _write(self, path: Path, meta: Path, key: CacheKey, text: str) -> None:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            _atomic_write(path, text)
-            _atomic_write(meta, json.dumps(dataclasses.asdict(key), indent=2, sort_keys=True))
+            with atomic_file(path) as f:
+                f.write(text.encode())
+            with atomic_file(meta) as f:
+                f.write(json.dumps(dataclasses.asdict(key), indent=2, sort_keys=True).encode())
         except OSError as exc:
             raise KernelError(
                 f"cannot write kernel {key.kernel_name} to {self.root} ({exc}); set "
@@ -202,11 +247,16 @@ class KernelCache:
         self.stats["writes"] += 1
 
     @staticmethod
-    def _import(path: Path, key: CacheKey) -> ModuleType:
+    def _import(path: Path, key: CacheKey, text: str) -> ModuleType:
+        """Execute the checked ``text`` as the module of ``path`` (not the file read again, which
+        another process may be replacing); Triton reads the kernel's source through linecache,
+        which is given the same text."""
         spec = importlib.util.spec_from_file_location(key.module_name, path)
         module = importlib.util.module_from_spec(spec)
+        # mtime None: linecache keeps this entry instead of re-reading the file
+        linecache.cache[str(path)] = (len(text), None, text.splitlines(True), str(path))
         sys.modules[key.module_name] = module
-        spec.loader.exec_module(module)
+        exec(compile(text, str(path), "exec"), module.__dict__)
         return module
 
     def entries(self) -> Dict[str, CacheKey]:

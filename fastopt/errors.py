@@ -7,6 +7,9 @@ Every message names the offending value, the limit it broke and a fix, e.g.::
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator, Mapping, Optional
+
 __all__ = [
     "FastOptError",
     "DataError",
@@ -16,6 +19,8 @@ __all__ = [
     "KernelError",
     "TraceError",
     "ModelError",
+    "DeviceMemoryError",
+    "device_memory_guard",
 ]
 
 
@@ -49,3 +54,41 @@ class TraceError(FastOptError, RuntimeError):
 
 class ModelError(FastOptError, ValueError):
     """Unknown model name or inconsistent model hyperparameters."""
+
+
+class DeviceMemoryError(FastOptError, MemoryError):
+    """The device ran out of memory; the message names the knobs that lower what a run needs."""
+
+
+# What lowers the device memory of a run, in the order worth trying: (knob, advice, how the
+# present value is shown).
+MEMORY_KNOBS = (
+    ("train.batch_size", "a smaller train.batch_size{now} (--batch-size)", " than {!r}"),
+    ("cache.budget_fraction", "a smaller cache.budget_fraction{now} (the device cache's share of the "
+                              "tables)", " than {!r}"),
+    ("cache.placement", "cache.placement='host'{now} (static features stay on the host)", " instead of {!r}"),
+)
+
+
+@contextlib.contextmanager
+def device_memory_guard(where: str, current: Optional[Mapping[str, object]] = None) -> Iterator[None]:
+    """Turn a device out-of-memory error raised inside the block into a :class:`DeviceMemoryError`
+    that names the knobs lowering memory, instead of the raw CUDA message. Also a decorator.
+
+    Args:
+        where: what ran out of memory, e.g. ``"the training step"``.
+        current: the knobs' present values by name (``{"train.batch_size": 200}``), shown beside them.
+    """
+    import torch  # the ground floor stays importable without torch
+
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else "no details"
+        current = current or {}
+        knobs = ", ".join(advice.format(now=shown.format(current[name]) if name in current else "")
+                          for name, advice, shown in MEMORY_KNOBS)
+        raise DeviceMemoryError(
+            f"the device ran out of memory in {where} ({detail}). Lower what the run keeps on the "
+            f"device: {knobs}; every knob has a FASTOPT_<GROUP>_<FIELD> environment "
+            f"override") from None

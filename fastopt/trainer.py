@@ -8,8 +8,10 @@ back the model's memory and mailbox (after the step, so no event sees its own ba
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
+import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,14 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastopt.codegen.cache import atomic_file
 from fastopt.config import Config, resolve_config
 from fastopt.data import TemporalGraph
-from fastopt.errors import ConfigError, FastOptError
+from fastopt.errors import ConfigError, FastOptError, device_memory_guard
 from fastopt.metrics import average_precision, mrr, roc_auc
 from fastopt.runtime.inputs import GraphInputs
 from fastopt.runtime.loader import EventBatch, Loader, NegativeSampler, StageTimer
 
-__all__ = ["Trainer", "EventBatch", "resolve_device", "make_sampler", "make_optimizer", "NegativeSampler"]
+__all__ = ["Trainer", "EventBatch", "resolve_device", "make_sampler", "make_optimizer", "NegativeSampler",
+           "read_checkpoint"]
 
 STAGES = ("sample", "gather", "forward", "backward", "update", "step")
 
@@ -85,6 +89,21 @@ def wants_optimize(config: Config, device: torch.device) -> bool:
     """Whether ``config.train.optimize`` asks for :func:`fastopt.optimize` on ``device``."""
     mode = config.train.optimize
     return mode == "on" or (mode == "auto" and device.type == "cuda")
+
+
+def _memory_advice(where: str):
+    """Run a Trainer method under :func:`~fastopt.errors.device_memory_guard`: a device
+    out-of-memory error names the run's memory knobs and their present values."""
+    def wrap(method):
+        @functools.wraps(method)
+        def guarded(self, *args, **kwargs):
+            c = self.config
+            knobs = {"train.batch_size": c.train.batch_size, "cache.budget_fraction": c.cache.budget_fraction,
+                     "cache.placement": c.cache.placement}
+            with device_memory_guard(where, knobs):
+                return method(self, *args, **kwargs)
+        return guarded
+    return wrap
 
 
 @dataclass
@@ -187,6 +206,7 @@ class Trainer:
         self._log({"test": self.test_metrics})
         return self.history
 
+    @_memory_advice("the training step")
     def train_epoch(self, epoch: int) -> EpochStats:
         """One pass over the training events in chronological batches."""
         model = self.model
@@ -265,6 +285,7 @@ class Trainer:
         return loss.detach()
 
     # ----------------------------------------------------------------------------- evaluation
+    @_memory_advice("evaluation")
     @torch.no_grad()
     def evaluate(self, split: str, mrr_negatives: int = 0) -> dict:
         """AP and AUC (all events and the inductive subset) and, with negatives, MRR on ``split``.
@@ -298,7 +319,13 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: Union[str, os.PathLike]) -> None:
-        """Everything needed to continue bit-identically: weights, state, optimizer, RNG, history."""
+        """Everything needed to continue bit-identically: weights, state, optimizer, RNG, history.
+
+        The file holds only tensors, numbers, strings, lists and dicts, so that
+        :meth:`load_checkpoint` reads it with ``torch.load(weights_only=True)``. It is written to a
+        temporary file in the same folder, flushed to disk, then renamed over ``path``: a process
+        killed while writing leaves the previous checkpoint whole.
+        """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {
@@ -307,24 +334,32 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "history": self.history,
-            "config": self.config.to_dict(),
+            "history": _plain(self.history),
+            "config": _plain(self.config.to_dict()),
         }
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+        with atomic_file(path) as f:
+            torch.save(state, f)
 
     def load_checkpoint(self, path: Union[str, os.PathLike]) -> None:
+        """Continue from a file written by :meth:`save_checkpoint`.
+
+        The file is read with ``torch.load(weights_only=True)``: a pickle that would build any
+        other object (and so could run code) is refused, never executed.
+
+        Raises:
+            FastOptError: the file is missing, damaged, not a fastopt checkpoint, or needs more
+                than tensors, numbers, strings, lists and dicts to load.
+        """
         path = Path(path)
         if not path.exists():
             raise FastOptError(f"checkpoint {str(path)!r} does not exist; pass the checkpoint.pt "
                                f"written by an earlier run (--checkpoint-dir)")
-        state = torch.load(path, map_location=self.device, weights_only=False)
+        state = read_checkpoint(path, map_location=self.device)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
+        torch.set_rng_state(state["torch_rng"].cpu())
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
         self.epoch = int(state["epoch"])
         self.history = list(state["history"])
 
@@ -334,6 +369,45 @@ class Trainer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a") as f:
             f.write(json.dumps(record, default=float) + "\n")
+
+
+_CHECKPOINT_KEYS = ("epoch", "model", "optimizer", "torch_rng", "history")
+
+
+def read_checkpoint(path: Union[str, os.PathLike], map_location=None) -> dict:
+    """The state dict of a checkpoint file, read without running any code it may carry.
+
+    ``torch.load(weights_only=True)`` rebuilds only tensors, numbers, strings, lists, tuples and
+    dicts; a file that asks for anything else (a class, a ``__reduce__`` call) is refused.
+
+    Raises:
+        FastOptError: naming the file and why it cannot be loaded.
+    """
+    where = str(path)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise FastOptError(
+            f"checkpoint {where!r} holds objects other than tensors, numbers, strings, lists and "
+            f"dicts ({reason}); it was not loaded, because loading it could run code from the "
+            f"file. Resume only from a checkpoint.pt written by fastopt (--checkpoint-dir); a "
+            f"file you trust can be re-saved with plain types") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise FastOptError(
+            f"checkpoint {where!r} cannot be read ({type(exc).__name__}: {exc}); it is truncated "
+            f"or not a checkpoint. Resume from an intact checkpoint.pt or train from the start") from None
+    missing = [k for k in _CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise FastOptError(f"checkpoint {where!r} lacks {missing}; it was not written by "
+                           f"Trainer.save_checkpoint. Resume from a checkpoint.pt written by fastopt")
+    return state
+
+
+def _plain(value):
+    """``value`` rebuilt from Python's plain types (NumPy scalars become floats and ints), so
+    that a checkpoint holding it loads with ``weights_only=True``."""
+    return json.loads(json.dumps(value, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
 
 
 def _as_dict(stats: EpochStats) -> dict:

@@ -47,7 +47,7 @@ from typing import Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Uni
 import torch
 
 from fastopt.config import CacheConfig, Config
-from fastopt.errors import CacheError, ConfigError
+from fastopt.errors import CacheError, ConfigError, device_memory_guard
 from fastopt.runtime.blocks import Unique
 from fastopt.runtime.cache_policy import (
     AccessPlan,
@@ -65,6 +65,9 @@ __all__ = ["SlimCache", "CacheTable", "UniqueRows", "PendingRows", "CacheCounter
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Lookups of one table that may be staged ahead of the one being consumed (double buffering).
 _MAX_PENDING = 2
+# Device allocations and copies of the cache end, when the device is full, in an error naming the
+# knobs that lower memory.
+_memory_guard = device_memory_guard("the feature cache (SlimCache)")
 
 Ids = Union[torch.Tensor, Unique, Sequence[int]]
 
@@ -307,6 +310,7 @@ class SlimCache:
                     f"budget_bytes")
         return budget
 
+    @_memory_guard
     def _seal(self, sample: Optional[Dict[str, List[torch.Tensor]]]) -> None:
         """Fix each table's capacity and policy (once, at the first plan or lookup)."""
         if self._sealed:
@@ -412,6 +416,7 @@ class SlimCache:
         with self._lock:
             return self._finish(pending)
 
+    @_memory_guard
     def _stage(self, name: str, ids: Optional[Ids], unique: Optional[Unique]) -> PendingRows:
         table = self._table(name)
         if (ids is None) == (unique is None):
@@ -456,6 +461,7 @@ class SlimCache:
         table.pending.append(pending)
         return pending
 
+    @_memory_guard
     def _finish(self, pending: PendingRows) -> UniqueRows:
         table = self._table(pending.table)
         if not table.pending or table.pending[0] is not pending:
@@ -515,6 +521,7 @@ class SlimCache:
 
     # ---------------------------------------------------------------- writes
 
+    @_memory_guard
     def write(self, table: str, ids: Ids, values: torch.Tensor) -> None:
         """Store new rows of a read-write table (``ids`` distinct, ``values`` ``[n, *row]``).
 
@@ -587,6 +594,7 @@ class SlimCache:
         table.host.index_copy_(0, ids, rows)
         table.counters.bytes_d2h += rows.shape[0] * table.row_bytes
 
+    @_memory_guard
     def flush(self) -> None:
         """Write every dirty row back to the host (call at the end of an epoch)."""
         with self._lock:

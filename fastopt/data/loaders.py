@@ -13,7 +13,9 @@ Formats (optionally gzip-compressed, detected by magic bytes):
 
 Ids are remapped to dense ``0..N-1`` and events sorted stably by time. Parsed files are cached
 as ``.npz`` beside the source (or in the user cache directory when that is read-only), keyed
-by the content hash of the file.
+by the content hash of the file. Every ``.npz`` fastopt writes carries the SHA-256 of its arrays
+(a cache entry also the hash of the file it was parsed from); one that no longer matches is
+refused, and a damaged cache entry is reported (a ``RuntimeWarning``) and parsed again.
 """
 
 from __future__ import annotations
@@ -21,19 +23,27 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
-import tempfile
+import warnings
+import zipfile
 from importlib import resources
 from pathlib import Path
 from typing import Optional, Union
 
 import numpy as np
 
+from fastopt.codegen.cache import atomic_file
 from fastopt.data.graph import TemporalGraph
 from fastopt.errors import DataError
 
 __all__ = ["load_dataset", "load_file", "save_npz", "builtin_datasets", "resolve_dataset"]
 
-_PARSER_VERSION = "1"
+# Version of the parser and of the cache entries' layout (2: entries carry content hashes).
+_PARSER_VERSION = "2"
+# Keys of the hashes inside an .npz: of its other arrays, and of the file a cache entry was parsed from.
+_CHECKSUM = "content_sha256"
+_SOURCE = "source_sha256"
+# float64 keeps integers exact below 2**53: larger ids in a text file could merge distinct nodes.
+_MAX_TEXT_ID = 2 ** 53
 
 _SRC = {"u", "src", "source", "user", "user_id", "src_id"}
 _DST = {"i", "dst", "destination", "item", "item_id", "dst_id"}
@@ -98,41 +108,54 @@ def load_file(path: Union[str, os.PathLike], cache: bool = True) -> TemporalGrap
     name = path.name.split(".")[0]
     if raw[:6] == b"\x93NUMPY" or raw[:2] == b"PK":
         return _load_npz(path, name)
-    digest = hashlib.sha256(raw).hexdigest()[:16]
+    source = hashlib.sha256(raw).hexdigest()
+    digest = source[:16]
     if cache:
         for cached in _cache_paths(path, digest):
             if cached.exists():
                 try:
-                    return _load_npz(cached, name)
-                except DataError:
-                    pass  # a damaged cache entry is rebuilt below
+                    return _load_npz(cached, name, source=source)
+                except DataError as exc:
+                    warnings.warn(f"dataset cache entry {cached} is not used ({exc}); {path} is "
+                                  f"parsed again and the entry rewritten", RuntimeWarning, stacklevel=2)
     graph = _parse_text(raw, name, str(path))
     if cache:
-        _write_cache(path, digest, graph)
+        _write_cache(path, digest, _arrays(graph, **{_SOURCE: np.str_(source)}))
     return graph
 
 
 def save_npz(graph: TemporalGraph, path: Union[str, os.PathLike]) -> None:
-    """Write a graph to ``.npz`` atomically (temp file, then rename)."""
-    path = Path(path)
+    """Write a graph to ``.npz`` atomically (temp file, then rename), with its content hash."""
+    _write_npz(_arrays(graph), path)
+
+
+def _arrays(graph: TemporalGraph, **extra) -> dict:
+    """The arrays of ``graph`` as :func:`save_npz` writes them, ``extra`` and their content hash."""
     arrays = dict(src=graph.src, dst=graph.dst, ts=graph.ts, num_nodes=np.int64(graph.num_nodes),
                   bipartite=np.bool_(graph.bipartite), parser_version=np.str_(_PARSER_VERSION))
     for key in ("node_feat", "edge_feat", "labels"):
         if getattr(graph, key) is not None:
             arrays[key] = getattr(graph, key)
+    arrays.update(extra)
+    arrays[_CHECKSUM] = np.str_(_checksum(arrays))
+    return arrays
+
+
+def _checksum(arrays: dict) -> str:
+    """SHA-256 over every array but the checksum itself: names, dtypes, shapes and bytes."""
+    h = hashlib.sha256()
+    for key in sorted(k for k in arrays if k != _CHECKSUM):
+        a = np.ascontiguousarray(arrays[key])
+        h.update(f"{key}:{a.dtype.str}:{a.shape};".encode())
+        h.update(a.data)
+    return h.hexdigest()
+
+
+def _write_npz(arrays: dict, path: Union[str, os.PathLike]) -> None:
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp.npz")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide a shared dataset from others
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_file(path, mode=0o666) as f:  # readable by others, as a shared dataset must be
+        np.savez(f, **arrays)
 
 
 # --------------------------------------------------------------------------------- cache
@@ -144,33 +167,58 @@ def _cache_paths(source: Path, digest: str) -> tuple:
     return source.with_name(entry), user / entry
 
 
-def _write_cache(source: Path, digest: str, graph: TemporalGraph) -> None:
+def _write_cache(source: Path, digest: str, arrays: dict) -> None:
     for target in _cache_paths(source, digest):
         try:
-            save_npz(graph, target)
+            _write_npz(arrays, target)
             return
         except OSError:
             continue  # read-only folder: try the user cache, else run uncached
 
 
-def _load_npz(path: Path, name: str) -> TemporalGraph:
+def _load_npz(path: Path, name: str, source: Optional[str] = None) -> TemporalGraph:
+    """A graph from an ``.npz``, its content hash checked when it has one; ``source`` (the
+    SHA-256 of the file a cache entry was parsed from) makes the hashes mandatory."""
     try:
         with np.load(path, allow_pickle=False) as z:
-            keys = set(z.files)
-            missing = {"src", "dst", "ts"} - keys
-            if missing:
-                raise DataError(f"{path} is an .npz without {sorted(missing)}; write it with "
-                                f"fastopt.data.save_npz")
-            num_nodes = int(z["num_nodes"]) if "num_nodes" in keys else int(max(z["src"].max(), z["dst"].max()) + 1)
-            return TemporalGraph(
-                z["src"], z["dst"], z["ts"], num_nodes,
-                node_feat=z["node_feat"] if "node_feat" in keys else None,
-                edge_feat=z["edge_feat"] if "edge_feat" in keys else None,
-                labels=z["labels"] if "labels" in keys else None,
-                name=name, bipartite=bool(z["bipartite"]) if "bipartite" in keys else False,
-            )
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{path} is not a readable .npz file ({exc})") from None
+            arrays = {key: z[key] for key in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise DataError(f"{path} is not a readable .npz file ({exc}); write it with "
+                        f"fastopt.data.save_npz") from None
+    _check_hashes(path, arrays, source)
+    missing = {"src", "dst", "ts"} - set(arrays)
+    if missing:
+        raise DataError(f"{path} is an .npz without {sorted(missing)}; write it with "
+                        f"fastopt.data.save_npz")
+    try:
+        src, dst = arrays["src"], arrays["dst"]
+        num_nodes = int(arrays["num_nodes"]) if "num_nodes" in arrays else int(max(src.max(), dst.max()) + 1)
+        return TemporalGraph(
+            src, dst, arrays["ts"], num_nodes,
+            node_feat=arrays.get("node_feat"), edge_feat=arrays.get("edge_feat"),
+            labels=arrays.get("labels"), name=name,
+            bipartite=bool(arrays["bipartite"]) if "bipartite" in arrays else False,
+        )
+    except (TypeError, ValueError, OverflowError) as exc:
+        if isinstance(exc, DataError):
+            raise DataError(f"{path}: {exc}") from None
+        raise DataError(f"{path} holds arrays that do not form a graph ({exc}); write it with "
+                        f"fastopt.data.save_npz") from None
+
+
+def _check_hashes(path: Path, arrays: dict, source: Optional[str]) -> None:
+    if _CHECKSUM not in arrays:
+        if source is not None:
+            raise DataError(f"{path} carries no content hash; a cache entry must")
+        return
+    found, stored = _checksum(arrays), str(arrays[_CHECKSUM])
+    if found != stored:
+        raise DataError(f"{path} does not match its content hash (arrays hash to {found[:16]}..., "
+                        f"the file records {stored[:16]}...): it was altered or damaged. Write it "
+                        f"again with fastopt.data.save_npz")
+    if source is not None and str(arrays.get(_SOURCE, "")) != source:
+        raise DataError(f"{path} was parsed from another file (source hash "
+                        f"{str(arrays.get(_SOURCE, 'none'))[:16]}..., expected {source[:16]}...)")
 
 
 # --------------------------------------------------------------------------------- text
@@ -236,6 +284,11 @@ def _ids(col: np.ndarray, what: str, where: str) -> np.ndarray:
     if not np.isfinite(col).all() or (col != np.floor(col)).any():
         bad = col[~np.isfinite(col) | (col != np.floor(col))][0]
         raise DataError(f"{where}: {what} id {bad!r} is not an integer; node ids must be integers")
+    if col.size and np.abs(col).max() >= _MAX_TEXT_ID:
+        bad = col[np.abs(col) >= _MAX_TEXT_ID][0]
+        raise DataError(f"{where}: {what} id {bad:.0f} is at or beyond 2**53 in magnitude, where text ids "
+                        f"stop being exact (distinct nodes could merge); renumber the ids below 2**53 "
+                        f"or pass the events as an .npz of int64 arrays")
     return col.astype(np.int64)
 
 

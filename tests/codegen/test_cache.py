@@ -73,7 +73,7 @@ def test_load_writes_once_imports_and_reuses(tmp_path):
     cache = KernelCache(tmp_path)
     key = _key()
     fn = cache.load(key, SOURCE)
-    assert cache.stats == {"memory_hits": 0, "disk_hits": 0, "writes": 1}
+    assert cache.stats == {"memory_hits": 0, "disk_hits": 0, "writes": 1, "rebuilt": 0}
     module, meta = cache.paths(key)
     assert module.read_text() == SOURCE.replace(KERNEL_NAME_PLACEHOLDER, key.kernel_name)
     assert json.loads(meta.read_text())["source_sha256"] == key.source_sha256
@@ -82,21 +82,30 @@ def test_load_writes_once_imports_and_reuses(tmp_path):
     assert cache.stats["memory_hits"] == 1
     fresh = KernelCache(tmp_path)
     fresh.load(key, SOURCE)
-    assert fresh.stats == {"memory_hits": 0, "disk_hits": 1, "writes": 0}
+    assert fresh.stats == {"memory_hits": 0, "disk_hits": 1, "writes": 0, "rebuilt": 0}
     x = torch.full((8,), -1.0)
     fn[(1,)](x, 5)
     assert x.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, -1.0, -1.0, -1.0]
 
 
-def test_a_damaged_entry_is_rewritten(tmp_path):
+@pytest.mark.parametrize("damage", ["truncated", "altered", "empty"])
+def test_a_damaged_entry_is_rebuilt_and_reported_never_imported(tmp_path, damage):
     cache = KernelCache(tmp_path)
     key = _key()
     module, _ = cache.paths(key)
-    tmp_path.mkdir(exist_ok=True)
-    module.write_text("partial")
-    cache.load(key, SOURCE)
-    assert cache.stats["writes"] == 1
-    assert key.kernel_name in module.read_text()
+    good = SOURCE.replace(KERNEL_NAME_PLACEHOLDER, key.kernel_name)
+    marker = tmp_path / "executed"
+    module.write_text({
+        "truncated": good[: len(good) // 2],
+        # valid Python that would leave a trace if it ran
+        "altered": f"open({str(marker)!r}, 'w').close()\n" + good,
+        "empty": "",
+    }[damage])
+    with pytest.warns(RuntimeWarning, match="does not match its key.*rebuilt"):
+        fn = cache.load(key, SOURCE)
+    assert not marker.exists()
+    assert cache.stats["writes"] == 1 and cache.stats["rebuilt"] == 1
+    assert module.read_text() == good and fn.__name__ == key.kernel_name
 
 
 def test_describe_explains_a_miss(tmp_path):

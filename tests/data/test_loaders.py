@@ -96,6 +96,43 @@ def test_npz_roundtrip_and_cache(tmp_path, small_graph):
     assert load_file(f).num_events == 2  # served from the cache
 
 
+@pytest.mark.parametrize("damage", ["truncated", "altered", "foreign"])
+def test_a_bad_cache_entry_is_reported_and_rebuilt(tmp_path, damage):
+    f = write(tmp_path / "c.txt", "1 2 3\n2 1 4\n3 1 5\n")
+    parsed = load_file(f)
+    (entry,) = tmp_path.glob("c.txt.*.npz")
+    good = entry.read_bytes()
+    if damage == "truncated":
+        entry.write_bytes(good[: len(good) // 2])
+    elif damage == "altered":  # a valid .npz whose arrays no longer hash to the recorded sum
+        with np.load(entry) as z:
+            arrays = {k: z[k] for k in z.files}
+        arrays["dst"] = arrays["dst"][::-1].copy()
+        np.savez(entry, **arrays)
+    else:  # a whole, valid .npz of another graph under this source's name
+        save_npz(TemporalGraph(np.array([0]), np.array([1]), np.zeros(1), num_nodes=2), entry)
+    with pytest.warns(RuntimeWarning, match=f"dataset cache entry {entry} is not used"):
+        again = load_file(f)
+    np.testing.assert_array_equal(again.dst, parsed.dst)
+    assert again.num_events == 3
+    assert entry.read_bytes() == good  # rewritten whole, and served silently from now on
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_file(f)
+
+
+def test_an_altered_npz_is_refused(tmp_path, small_graph):
+    out = tmp_path / "g.npz"
+    save_npz(small_graph, out)
+    with np.load(out) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["ts"] = arrays["ts"] + 1.0
+    np.savez(out, **arrays)
+    with pytest.raises(DataError, match="does not match its content hash"):
+        load_file(out)
+
+
 def test_random_features_are_deterministic(small_graph):
     a = load_dataset("wikipedia", edge_dim=16, seed=3)
     b = load_dataset("wikipedia", edge_dim=16, seed=3)
@@ -115,6 +152,7 @@ def test_random_features_are_deterministic(small_graph):
     ("a b c\nx y z\n", "not numeric"),
     ("foo,bar,baz\n1,2,3\n", "names no"),
     ("1 2\n", "at least src, dst and time"),
+    ("9007199254740993 2 3\n", "beyond 2\\*\\*53"),
 ])
 def test_bad_files_raise_fastopt_error(tmp_path, text, fragment):
     f = write(tmp_path / "bad.txt", text)
@@ -174,10 +212,10 @@ def test_user_cache_is_read_back_when_the_source_folder_is_read_only(tmp_path, m
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     f = write(tmp_path / "s.txt", "1 2 3\n2 1 4\n")
-    digest = __import__("hashlib").sha256(f.read_bytes()).hexdigest()[:16]
-    beside, user = loaders._cache_paths(f, digest)
+    source = __import__("hashlib").sha256(f.read_bytes()).hexdigest()
+    beside, user = loaders._cache_paths(f, source[:16])
     # only the user cache holds an entry (as after a run whose source folder was read-only)
     marker = TemporalGraph(np.array([0, 1, 2]), np.array([1, 2, 0]), np.arange(3.0), num_nodes=3)
-    save_npz(marker, user)
+    loaders._write_npz(loaders._arrays(marker, source_sha256=np.str_(source)), user)
     assert not beside.exists()
     assert load_file(f).num_events == 3  # served from the user cache, not parsed (2 events)
