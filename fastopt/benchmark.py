@@ -188,7 +188,7 @@ def run_bench(graph, model_name: str, base: Config, contenders: Sequence[str] = 
             continue
         cfg = _contender_config(base, name)
         torch.manual_seed(seed)
-        model = build_model(model_name, graph).to(device)
+        model = build_model(model_name, graph, base).to(device)
         eager = copy.deepcopy(model)
         trainer = Trainer(_wrap(name, model), graph, cfg, progress=progress)
         result = BenchResult(name)
@@ -322,3 +322,17 @@ def git_commit(cwd: Optional[str] = None) -> str:
 
 def timestamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def command_line() -> str:
+    """The command this process runs, as typed (``fastopt ...`` for the console script)."""
+    import os
+    import shlex
+    import sys
+
+    argv = list(sys.argv)
+    if argv and os.path.basename(argv[0]) == "fastopt":
+        argv[0] = "fastopt"
+    elif argv and argv[0].endswith(os.path.join("fastopt", "__main__.py")):
+        argv[:1] = ["python", "-m", "fastopt"]
+    return shlex.join(argv)

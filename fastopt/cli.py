@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
+import warnings
 from typing import Optional, Sequence
 
 from fastopt.errors import FastOptError
@@ -14,25 +16,46 @@ from fastopt.errors import FastOptError
 __all__ = ["main"]
 
 
-def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="train a reference TGNN for link prediction")
+def _add_run_flags(p, epochs_help: str) -> None:
+    """Flags ``train`` and ``bench`` share: data, model, its hyperparameters and the run."""
+    from fastopt.models import MODELS
+
     p.add_argument("--dataset", default="wikipedia", help="built-in name (wikipedia) or a path to an event file")
-    p.add_argument("--model", default="tgn", help="tgn, tgat, jodie or apan")
-    p.add_argument("--epochs", type=int, default=None, help="training epochs (default 10)")
-    p.add_argument("--batch-size", type=int, default=None, help="positive events per batch (default 200)")
-    p.add_argument("--lr", type=float, default=None, help="Adam learning rate (default 1e-4)")
+    p.add_argument("--model", default="tgn", help=f"one of {', '.join(MODELS)} (default tgn)")
+    p.add_argument("--epochs", type=int, default=None, help=epochs_help)
     p.add_argument("--device", default=None, help="auto, cpu or cuda[:N] (default auto)")
     p.add_argument("--seed", type=int, default=None, help="seed of every random choice (default 0)")
-    p.add_argument("--edge-dim", type=int, default=None, help="random edge features of this width when the data has none")
     p.add_argument("--node-dim", type=int, default=None, help="random node features of this width when the data has none")
+    p.add_argument("--config", default=None, help="JSON file of config values (see `Config.to_json`); "
+                   "flags override it, it overrides FASTOPT_* variables")
+    model = p.add_argument_group("model hyperparameters (config group `model`)")
+    model.add_argument("--fanouts", default=None,
+                       help="neighbors per attention layer, comma-separated (TGN default 10, TGAT 10,10)")
+    model.add_argument("--memory-dim", type=int, default=None, help="node memory width (default 100)")
+    model.add_argument("--dim", type=int, default=None, help="embedding width (default 100)")
+    model.add_argument("--time-dim", type=int, default=None, help="time encoding width (default 100)")
+    model.add_argument("--heads", type=int, default=None, help="attention heads (default 2)")
+    model.add_argument("--dropout", type=float, default=None, help="attention dropout (default 0.1)")
+    model.add_argument("--mailbox-size", type=int, default=None, help="mails kept per node, APAN (default 10)")
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="train a reference TGNN for link prediction")
+    _add_run_flags(p, "training epochs (default 10)")
+    p.add_argument("--batch-size", type=int, default=None, help="positive events per batch (default 200)")
+    p.add_argument("--lr", type=float, default=None, help="Adam learning rate (default 1e-4)")
+    p.add_argument("--edge-dim", type=int, default=None, help="random edge features of this width when the data has none")
     p.add_argument("--mrr-negatives", type=int, default=None, help="negatives per positive for test MRR (default 20)")
-    p.add_argument("--config", default=None, help="JSON file of config values (see `Config.to_json`)")
-    p.add_argument("--log", default=None, help="JSON-lines metrics log")
+    p.add_argument("--patience", type=int, default=None,
+                   help="stop once validation AP has not improved for this many epochs (default 0: never)")
+    p.add_argument("--restore-best", action="store_true",
+                   help="test the weights and state of the epoch with the best validation AP")
+    p.add_argument("--log", default=None, help="JSON-lines log: the run's configuration, then one record per epoch")
     p.add_argument("--checkpoint-dir", default=None, help="write checkpoint.pt here after every epoch")
     p.add_argument("--resume", default=None, help="continue from this checkpoint.pt")
     p.add_argument("--no-optimize", action="store_true",
                    help="train the eager model (default: fastopt.optimize on CUDA, eager on the CPU)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (the per-epoch lines stay)")
     p.set_defaults(func=_cmd_train)
 
 
@@ -40,29 +63,22 @@ def _add_bench(sub) -> None:
     from fastopt.benchmark import CONTENDERS
 
     p = sub.add_parser("bench", help="fastopt against eager, torch.compile, TGL's data path and PyG, one run")
-    p.add_argument("--dataset", default="wikipedia", help="built-in name (wikipedia) or a path to an event file")
-    p.add_argument("--model", default="tgn", help="tgn, tgat, jodie or apan")
+    _add_run_flags(p, "epochs per contender; the steady time is the median after the first (default 3)")
     p.add_argument("--batch-size", type=int, default=600, help="positive events per batch (default 600)")
-    p.add_argument("--epochs", type=int, default=3, help="epochs per contender; the steady time is the "
-                   "median after the first (default 3)")
-    p.add_argument("--device", default=None, help="auto, cpu or cuda[:N] (default auto)")
-    p.add_argument("--seed", type=int, default=None, help="seed of every random choice (default 0)")
     p.add_argument("--edge-dim", type=int, default=172,
                    help="random edge features of this width when the data has none (default 172)")
-    p.add_argument("--node-dim", type=int, default=None, help="random node features of this width")
     p.add_argument("--contenders", default=",".join(CONTENDERS),
                    help=f"comma-separated, from {', '.join(CONTENDERS)} (default all)")
     p.add_argument("--mrr-negatives", type=int, default=0, help="negatives per positive for test MRR (default 0)")
-    p.add_argument("--config", default=None, help="JSON file of config values (see `Config.to_json`)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a bar chart (PNG) here (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=_cmd_bench, no_optimize=False, lr=None)
+    p.set_defaults(func=_cmd_bench, no_optimize=False, lr=None, epochs=3)
 
 
 def _add_data(sub) -> None:
     p = sub.add_parser("data", help="inspect or synthesize temporal graphs")
-    dsub = p.add_subparsers(dest="data_cmd", required=True)
+    dsub = p.add_subparsers(dest="data_command", metavar="{info,synth}", required=True)
     info = dsub.add_parser("info", help="nodes, events, time span, degree percentiles, repeat rate")
     info.add_argument("file", help="built-in name or path")
     info.add_argument("--json", action="store_true", help="print JSON")
@@ -76,22 +92,30 @@ def _add_data(sub) -> None:
     syn.set_defaults(func=_cmd_synth)
 
 
-def _build_config(args):
-    from fastopt.config import Config, default_config
+# flags setting config values: (group, field); a flag's name is the field's with dashes
+_FLAGS = tuple(("train", name) for name in ("epochs", "batch_size", "lr", "device", "seed", "edge_dim",
+                                             "node_dim", "mrr_negatives", "patience")) + \
+    tuple(("model", name) for name in ("fanouts", "memory_dim", "dim", "time_dim", "heads", "dropout",
+                                       "mailbox_size"))
 
-    cfg = default_config().copy()
-    if args.config:
-        with open(args.config) as f:
-            loaded = Config.from_json(f.read())
-        cfg = loaded
-    for flag, key in (("epochs", "epochs"), ("batch_size", "batch_size"), ("lr", "lr"),
-                      ("device", "device"), ("seed", "seed"), ("edge_dim", "edge_dim"),
-                      ("node_dim", "node_dim"), ("mrr_negatives", "mrr_negatives")):
-        value = getattr(args, flag)
+
+def _build_config(args):
+    """Defaults, then ``FASTOPT_*`` variables, then ``--config``, then the flags given."""
+    from fastopt.config import Config, default_config
+    from fastopt.errors import ConfigError
+
+    cfg = Config.from_file(args.config, base=default_config()) if args.config else default_config().copy()
+    for group, name in _FLAGS:
+        value = getattr(args, name, None)
         if value is not None:
-            cfg.set(f"train.{key}", value)
+            try:
+                cfg.set(f"{group}.{name}", value)
+            except ConfigError as exc:
+                raise ConfigError(f"--{name.replace('_', '-')} {value}: {exc}") from None
     if args.no_optimize:
         cfg.set("train.optimize", "off")
+    if getattr(args, "restore_best", False):
+        cfg.set("train.restore_best", True)
     return cfg
 
 
@@ -106,35 +130,24 @@ def _cmd_train(args) -> int:
     tc = cfg.train
     graph = load_dataset(args.dataset, edge_dim=tc.edge_dim, node_dim=tc.node_dim, seed=tc.seed)
     torch.manual_seed(tc.seed)
-    model = build_model(args.model, graph)
+    model = build_model(args.model, graph, cfg)
     trainer = Trainer(model, graph, cfg, log_path=args.log, checkpoint_dir=args.checkpoint_dir,
-                      progress=not args.no_progress)
+                      progress="lines" if args.no_progress else True)
     print(f"fastopt train: {args.model} on {graph.name} ({graph.num_nodes:,} nodes, "
           f"{graph.num_events:,} events; train/val/test {graph.train_end:,}/"
           f"{graph.val_end - graph.train_end:,}/{graph.num_events - graph.val_end:,}) on {trainer.device}",
           flush=True)
     t0 = time.perf_counter()
-    history = trainer.fit(tc.epochs, resume=args.resume, on_epoch=_print_epoch)
-    test = trainer.test_metrics
-    print("test: " + "  ".join(f"{k}={v:.4f}" for k, v in test.items()))
+    history = trainer.fit(tc.epochs, resume=args.resume)
     summary = {
         "model": args.model, "dataset": graph.name, "device": str(trainer.device),
-        "epochs": tc.epochs, "batch_size": tc.batch_size, "seconds": time.perf_counter() - t0,
-        "epoch_seconds": [h["seconds"] for h in history], "test": test,
+        "epochs": len(history), "batch_size": tc.batch_size, "seconds": time.perf_counter() - t0,
+        "epoch_seconds": [h["seconds"] for h in history], "test": trainer.test_metrics,
+        "test_seconds": trainer.test_seconds, "best_epoch": trainer.best_epoch,
         "val": history[-1]["val"] if history else {}, "machine": platform.processor() or platform.machine(),
     }
     print(json.dumps(summary, default=float))
     return 0
-
-
-def _print_epoch(record: dict) -> None:
-    st = record["stages"]
-    stages = " ".join(f"{k}={st[k]:.1f}s" for k in ("sample", "gather", "forward", "backward", "update", "step")
-                      if k in st)
-    val = record["val"]
-    print(f"epoch {record['epoch']:>3}  loss={record['loss']:.4f}  {record['seconds']:.1f}s "
-          f"({record['events_per_s']:,.0f} ev/s; {stages})  val ap={val['ap']:.4f} auc={val['auc']:.4f}",
-          flush=True)
 
 
 def _cmd_bench(args) -> int:
@@ -143,7 +156,7 @@ def _cmd_bench(args) -> int:
     import torch
 
     from fastopt import __version__
-    from fastopt.benchmark import format_table, git_commit, plot, run_bench, timestamp
+    from fastopt.benchmark import command_line, format_table, git_commit, plot, run_bench, timestamp
     from fastopt.data import load_dataset
 
     cfg = _build_config(args)
@@ -166,7 +179,7 @@ def _cmd_bench(args) -> int:
 
         record = {"date": timestamp(), "device": str(device), "gpu": gpu, "torch": torch.__version__,
                   "fastopt": __version__, "git_commit": git_commit(),
-                  "command": "fastopt " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("fastopt") else " ".join(sys.argv),
+                  "command": command_line(),
                   "dataset": graph.name, "model": args.model, "batch_size": tc.batch_size,
                   "epochs": args.epochs, "edge_dim": graph.edge_dim, "config": cfg.to_dict(),
                   "results": [r.to_dict() for r in results]}
@@ -188,8 +201,18 @@ def _cmd_info(args) -> int:
     else:
         width = max(len(k) for k in info)
         for k, v in info.items():
-            print(f"{k:<{width}}  {v:,.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+            print(f"{k:<{width}}  {_number(v)}")
     return 0
+
+
+def _number(value) -> str:
+    """One format for every figure: whole numbers with thousands separators, others to four
+    significant digits (with separators from 1,000 up)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{value:,.1f}" if abs(value) >= 1000 else f"{value:.4g}"
 
 
 def _cmd_synth(args) -> int:
@@ -205,18 +228,46 @@ def _cmd_synth(args) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    from fastopt import __version__
+
     parser = argparse.ArgumentParser(prog="fastopt", description="fast temporal GNN training")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    parser.add_argument("--version", action="version", version=f"fastopt {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,bench,data}")
     _add_train(sub)
     _add_bench(sub)
     _add_data(sub)
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except FastOptError as exc:
-        print(f"fastopt: error: {exc}", file=sys.stderr)
-        return 2
+    return parser
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"fastopt: warning: {message}", file=sys.stderr)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the ``fastopt`` command; returns the exit status (2 for a user error)."""
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning  # one line per warning, no source line
+        try:
+            parser = _parser()
+            args = parser.parse_args(argv)
+            if args.command is None:
+                parser.error("choose a command: train, bench or data (fastopt --help lists them)")
+            from fastopt.config import default_config
+
+            default_config()  # FASTOPT_* variables are read here, at the start, for every command
+            status = args.func(args)
+            sys.stdout.flush()  # a closed pipe surfaces here, not at interpreter exit
+            return status
+        except FastOptError as exc:
+            print(f"fastopt: error: {exc}", file=sys.stderr)
+            return 2
+        except BrokenPipeError:
+            # the reader stopped early (`fastopt data info ... | head`): not an error of ours;
+            # point stdout at /dev/null so the interpreter's last flush does not raise again
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return 141  # 128 + SIGPIPE, as a command the signal ended
 
 
 if __name__ == "__main__":

@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import difflib
 import json
 import os
 import sys
 import typing
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 from fastopt.errors import ConfigError
 
@@ -43,9 +45,12 @@ __all__ = [
     "KernelsConfig",
     "PassesConfig",
     "PipelineConfig",
+    "ModelConfig",
     "TrainConfig",
     "TunerConfig",
     "Config",
+    "ConfigWarning",
+    "OTHER_VARIABLES",
     "default_config",
     "patch",
     "resolve_config",
@@ -177,6 +182,25 @@ class PipelineConfig:
 
 
 @dataclass
+class ModelConfig:
+    # neighbors sampled per attention layer, comma-separated ("10,10": two layers);
+    # "" = the model's own (TGN: 10, TGAT: 10,10; JODIE and APAN sample none)
+    fanouts: str = ""
+    # width of the node memory (TGN, JODIE, APAN)
+    memory_dim: int = 100
+    # width of the node embeddings the link predictor scores
+    dim: int = 100
+    # width of the time encoding
+    time_dim: int = 100
+    # attention heads (TGN, TGAT, APAN); the attention widths must divide by it
+    heads: int = 2
+    # dropout of the attention layers (TGN, TGAT, APAN)
+    dropout: float = 0.1
+    # mails kept per node (APAN)
+    mailbox_size: int = 10
+
+
+@dataclass
 class TrainConfig:
     # training epochs
     epochs: int = 10
@@ -197,6 +221,10 @@ class TrainConfig:
     # run the model through fastopt.optimize: "auto" (on CUDA, where the fused kernels and CUDA
     # graphs pay; on the CPU the eager model is faster), "on" or "off"
     optimize: str = "auto"
+    # stop once validation AP has not improved for this many epochs (0 = train every epoch)
+    patience: int = 0
+    # before testing, go back to the weights and state of the epoch with the best validation AP
+    restore_best: bool = False
 
 
 @dataclass
@@ -218,6 +246,7 @@ class Config:
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     passes: PassesConfig = field(default_factory=PassesConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     tuner: TunerConfig = field(default_factory=TunerConfig)
 
@@ -230,17 +259,51 @@ class Config:
     @classmethod
     def from_dict(cls, data: dict) -> "Config":
         """Build a config from a (possibly partial) nested dict; unknown keys are errors."""
-        cfg = cls()
-        for group, values in data.items():
-            if not isinstance(values, dict):
-                raise ConfigError(f"config group {group!r} must be a mapping (got {values!r})")
-            for name, value in values.items():
-                cfg.set(f"{group}.{name}", value)
-        return cfg
+        return cls().update(data)
 
     @classmethod
-    def from_json(cls, text: str) -> "Config":
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str, where: str = "config JSON") -> "Config":
+        return cls().update(_parse_json(text, where))
+
+    @classmethod
+    def from_file(cls, path: Union[str, os.PathLike], base: Optional["Config"] = None) -> "Config":
+        """The values of a JSON file (``{"train": {"epochs": 5}, ...}``, partial or whole as
+        :meth:`to_json` writes it) set over a copy of ``base`` (default: the built-in defaults).
+
+        Raises:
+            ConfigError: the file is missing or unreadable, not JSON, or names an unknown or
+                out-of-range value (the message names the file).
+        """
+        where = f"config file {str(path)!r}"
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise ConfigError(f"{where} does not exist; pass the path of a JSON file of config "
+                              f"values (fastopt.Config().to_json() writes a complete one)") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = getattr(exc, "strerror", None) or str(exc)
+            raise ConfigError(f"{where} cannot be read ({reason}); pass a readable UTF-8 JSON "
+                              f"file") from None
+        cfg = (base or cls()).copy()
+        try:
+            return cfg.update(_parse_json(text, where))
+        except ConfigError as exc:
+            message = str(exc)
+            raise ConfigError(message if message.startswith(where) else f"{where}: {message}") from None
+
+    def update(self, data: dict) -> "Config":
+        """Set every ``{group: {field: value}}`` of ``data`` (a partial nested dict); returns self."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a config must be a JSON object of groups (got {type(data).__name__}); "
+                              f'write e.g. {{"train": {{"epochs": 5}}}}')
+        for group, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"config group {group!r} must be a mapping (got {values!r}); "
+                                  f'write e.g. {{"{group}": {{"field": value}}}}')
+            for name, value in values.items():
+                self.set(f"{group}.{name}", value)
+        return self
 
     def set(self, dotted: str, value: Any) -> None:
         """Set ``group.field`` to ``value``, converting strings and checking the type."""
@@ -252,12 +315,19 @@ class Config:
             )
         fields = {f.name: f for f in dataclasses.fields(group)}
         if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=1)
+            hint = f"did you mean '{group_name}.{close[0]}'? " if close else ""
             raise ConfigError(
-                f"unknown config field {dotted!r}; fields of {group_name}: {', '.join(fields)}"
+                f"unknown config field {dotted!r}; {hint}fields of {group_name}: {', '.join(fields)}"
             )
         ftype = typing.get_type_hints(type(group))[name]
+        before = getattr(group, name)
         setattr(group, name, _coerce(dotted, value, ftype))
-        self.validate()
+        try:
+            self.validate()
+        except ConfigError:
+            setattr(group, name, before)  # a refused value leaves the config as it was
+            raise
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first value outside its range."""
@@ -325,7 +395,28 @@ class Config:
         _check(self.train.mrr_negatives >= 0, "train.mrr_negatives", self.train.mrr_negatives, ">= 0")
         _check(self.train.edge_dim >= 0, "train.edge_dim", self.train.edge_dim, ">= 0")
         _check(self.train.node_dim >= 0, "train.node_dim", self.train.node_dim, ">= 0")
+        _check(self.train.patience >= 0, "train.patience", self.train.patience,
+               ">= 0 (0 = no early stopping)")
+        for knob in ("memory_dim", "dim", "time_dim", "heads", "mailbox_size"):
+            value = getattr(self.model, knob)
+            _check(value >= 1, f"model.{knob}", value, ">= 1")
+        _check(0.0 <= self.model.dropout < 1.0, "model.dropout", self.model.dropout, "in [0, 1)")
+        self.model_fanouts()  # raises on a malformed list
         _check(self.tuner.trials >= 1, "tuner.trials", self.tuner.trials, ">= 1")
+
+    def model_fanouts(self) -> Optional[list]:
+        """``model.fanouts`` as a list of ints, or None for the model's own."""
+        text = self.model.fanouts.strip()
+        if not text:
+            return None
+        try:
+            fanouts = [int(part) for part in text.split(",")]
+        except ValueError:
+            fanouts = []
+        _check(bool(fanouts) and min(fanouts) >= 1, "model.fanouts", self.model.fanouts,
+               "comma-separated neighbor counts >= 1, one per layer (e.g. '10,10'), or '' for the "
+               "model's own")
+        return fanouts
 
     def copy(self) -> "Config":
         return copy.deepcopy(self)
@@ -379,17 +470,53 @@ def _coerce(name: str, value: Any, ftype: Any) -> Any:
             return value
     except (TypeError, ValueError):
         raise ConfigError(
-            f"{name} must be of type {getattr(ftype, '__name__', ftype)} (got {value!r})"
+            f"{name} must be of type {getattr(ftype, '__name__', ftype)} (got {value!r}); give a "
+            f"value of that type"
         ) from None
     return value
 
 
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where} is not valid JSON: {exc.msg} at line {exc.lineno}, column "
+                          f"{exc.colno}; write one JSON object of config groups, e.g. "
+                          f'{{"train": {{"epochs": 5}}}}') from None
+
+
+class ConfigWarning(UserWarning):
+    """A ``FASTOPT_*`` environment variable that is no setting of fastopt (a misspelling)."""
+
+
+# FASTOPT_* variables read elsewhere (not config knobs): tests' data folder, graph dumps of the
+# passes, the commit a benchmark record names, the build without OpenMP, the dataset cache.
+OTHER_VARIABLES = ("FASTOPT_SHARED_DATA", "FASTOPT_DUMP_GRAPHS", "FASTOPT_GIT_COMMIT",
+                   "FASTOPT_NO_OPENMP", "FASTOPT_CACHE_DIR")
+
+
+def _env_keys(cfg: Config) -> dict:
+    """``FASTOPT_<GROUP>_<FIELD>`` of every knob, mapped to its ``group.field``."""
+    return {f"FASTOPT_{group.name}_{f.name}".upper(): f"{group.name}.{f.name}"
+            for group in dataclasses.fields(cfg) for f in dataclasses.fields(getattr(cfg, group.name))}
+
+
 def _from_env(cfg: Config, environ: dict) -> Config:
-    for group in dataclasses.fields(cfg):
-        for f in dataclasses.fields(getattr(cfg, group.name)):
-            key = f"FASTOPT_{group.name}_{f.name}".upper()
-            if key in environ:
-                cfg.set(f"{group.name}.{f.name}", environ[key])
+    keys = _env_keys(cfg)
+    for key, dotted in keys.items():
+        if key in environ:
+            try:
+                cfg.set(dotted, environ[key])
+            except ConfigError as exc:
+                raise ConfigError(f"environment variable {key}={environ[key]!r}: {exc} (or unset "
+                                  f"{key})") from None
+    for key in sorted(environ):
+        if key.startswith("FASTOPT_") and key not in keys and key not in OTHER_VARIABLES:
+            close = difflib.get_close_matches(key, list(keys) + list(OTHER_VARIABLES), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            warnings.warn(f"environment variable {key} is not a fastopt setting and is ignored; "
+                          f"{hint}Each knob is FASTOPT_<GROUP>_<FIELD> (see fastopt.Config.to_json())",
+                          ConfigWarning, stacklevel=3)
     return cfg
 
 

@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import pickle
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,14 +132,22 @@ class Trainer:
             ``torch.compile`` of one).
         graph: the event stream with its chronological split.
         config: ``"auto"`` (defaults and ``FASTOPT_*`` overrides), a :class:`Config`, or a dict.
-        log_path: JSON-lines file receiving one record per epoch and the final test metrics.
-        checkpoint_dir: where ``checkpoint.pt`` is written after every epoch.
-        progress: show a progress bar.
+        log_path: JSON-lines file receiving a record of the run (configuration, seed, command,
+            start time, versions), one record per epoch and the final test metrics.
+        checkpoint_dir: where ``checkpoint.pt`` is written after every epoch (and ``best.pt``,
+            the best validation epoch's weights, with ``config.train.restore_best``).
+        progress: ``True`` prints one line per epoch and for the test, with progress bars where
+            they can be drawn (a terminal or a notebook); ``"lines"`` the lines alone; ``False``
+            nothing.
     """
 
     def __init__(self, model: nn.Module, graph: TemporalGraph, config: Union[str, Config, dict, None] = "auto",
                  *, log_path: Optional[Union[str, os.PathLike]] = None,
-                 checkpoint_dir: Optional[Union[str, os.PathLike]] = None, progress: bool = True) -> None:
+                 checkpoint_dir: Optional[Union[str, os.PathLike]] = None,
+                 progress: Union[bool, str] = True) -> None:
+        if progress not in (True, False, "lines"):
+            raise ConfigError(f"progress must be True, False or 'lines' (got {progress!r}); pass "
+                              f"progress=False for a silent run")
         self.config = resolve_config(config)
         self.graph = graph
         tc = self.config.train
@@ -168,6 +177,8 @@ class Trainer:
         self.epoch = 0
         self.history: list = []
         self.test_metrics: dict = {}
+        self.test_seconds = 0.0
+        self._best_state: Optional[dict] = None  # weights and state of the best epoch (restore_best)
 
     # ----------------------------------------------------------------------------- inputs
     def build_inputs(self, roots: np.ndarray, times: np.ndarray) -> GraphInputs:
@@ -182,29 +193,106 @@ class Trainer:
     def fit(self, epochs: Optional[int] = None, *, resume: Optional[Union[str, os.PathLike]] = None,
             on_epoch: Optional[Callable[[dict], None]] = None) -> list:
         """Train for ``epochs`` (default ``config.train.epochs``), evaluating on validation after
-        each epoch and on test at the end. ``resume`` continues from a checkpoint file;
-        ``on_epoch`` receives each epoch's record (loss, seconds, stage times, validation)."""
-        epochs = self.config.train.epochs if epochs is None else int(epochs)
+        each epoch and on test at the end.
+
+        ``resume`` continues from a checkpoint file; ``on_epoch`` receives each epoch's record
+        (loss, seconds, stage times, validation metrics, ``val_seconds``). With
+        ``config.train.patience`` training stops once validation AP has not improved for that
+        many epochs; with ``config.train.restore_best`` the test runs on the weights and state of
+        the epoch with the best validation AP (:attr:`best_epoch`). The test's duration is
+        :attr:`test_seconds`.
+        """
+        tc = self.config.train
+        epochs = tc.epochs if epochs is None else int(epochs)
         if epochs < 1:
             raise ConfigError(f"epochs must be >= 1 (got {epochs}); pass --epochs 10 or any positive integer")
         if resume is not None:
             self.load_checkpoint(resume)
+            self._best_state = self._read_best(Path(resume).with_name(BEST_FILE))
         else:
-            torch.manual_seed(self.config.train.seed)
-        while self.epoch < epochs:
+            torch.manual_seed(tc.seed)
+        self._log(self._run_record(resume))
+        while self.epoch < epochs and not self._patience_spent():
             stats = self.train_epoch(self.epoch)
+            t0 = time.perf_counter()
             stats.val = self.evaluate("val")
             record = _as_dict(stats)
+            record["val_seconds"] = time.perf_counter() - t0
             self.history.append(record)
             self._log(record)
+            self._say(format_epoch(record))
             if on_epoch is not None:
                 on_epoch(record)
             self.epoch += 1
+            self._keep_if_best()
             if self.checkpoint_dir is not None:
                 self.save_checkpoint(self.checkpoint_dir / "checkpoint.pt")
-        self.test_metrics = self.evaluate("test", mrr_negatives=self.config.train.mrr_negatives)
-        self._log({"test": self.test_metrics})
+        best = self.best_epoch
+        if self._patience_spent() and self.epoch < epochs:
+            self._say(f"early stop after epoch {self.epoch - 1}: validation ap has not improved for "
+                      f"{tc.patience} epoch(s) (best: epoch {best})")
+        if tc.restore_best and best is not None and best != self.epoch - 1:
+            self.model.load_state_dict(self._best_state)
+            self._say(f"restored epoch {best} (validation ap={self.history[best]['val']['ap']:.4f})")
+        t0 = time.perf_counter()
+        self.test_metrics = self.evaluate("test", mrr_negatives=tc.mrr_negatives)
+        self.test_seconds = time.perf_counter() - t0
+        self._log({"test": self.test_metrics, "test_seconds": self.test_seconds, "best_epoch": best,
+                   "tested_epoch": best if tc.restore_best else self.epoch - 1})
+        self._say("test: " + "  ".join(f"{k}={v:.4f}" for k, v in self.test_metrics.items())
+                  + f"  ({self.test_seconds:.1f}s)")
         return self.history
+
+    @property
+    def best_epoch(self) -> Optional[int]:
+        """The epoch with the highest validation AP so far (the first of equals), or None."""
+        aps = [h["val"].get("ap", float("nan")) for h in self.history]
+        if not aps or all(ap != ap for ap in aps):
+            return None
+        return int(np.nanargmax(aps))
+
+    def _patience_spent(self) -> bool:
+        patience, best = self.config.train.patience, self.best_epoch
+        return patience > 0 and best is not None and len(self.history) - 1 - best >= patience
+
+    def _keep_if_best(self) -> None:
+        """With ``restore_best``, copy the weights and state of a new best epoch (host memory, and
+        ``best.pt`` beside the checkpoint so a resumed run can restore it too)."""
+        if not self.config.train.restore_best or self.best_epoch != self.epoch - 1:
+            return
+        self._best_state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        if self.checkpoint_dir is not None:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            with atomic_file(self.checkpoint_dir / BEST_FILE) as f:
+                torch.save({"epoch": self.epoch - 1, "model": self._best_state}, f)
+
+    def _read_best(self, path: Path) -> Optional[dict]:
+        """The best epoch's weights saved beside a checkpoint being resumed, when they are needed."""
+        best = self.best_epoch
+        if not self.config.train.restore_best or best is None or best == self.epoch - 1:
+            return None
+        saved = torch.load(path, map_location="cpu", weights_only=True) if path.exists() else None
+        if saved is None or saved.get("epoch") != best:
+            raise FastOptError(
+                f"restore_best needs the weights of epoch {best} (the best validation ap), but "
+                f"{str(path)!r} {'holds another epoch' if saved else 'does not exist'}; resume a run "
+                f"that was written with restore_best on, or resume without it (--restore-best)")
+        return saved["model"]
+
+    def _run_record(self, resume) -> dict:
+        """What the log keeps about the run: when, how, with what."""
+        from fastopt import __version__
+        from fastopt.benchmark import command_line, git_commit, timestamp
+
+        return {"start": timestamp(), "command": command_line(), "seed": self.config.train.seed,
+                "model": type(getattr(self.model, "_orig_mod", self.model)).__name__,
+                "dataset": self.graph.name, "events": self.graph.num_events, "device": str(self.device),
+                "resume": None if resume is None else str(resume), "fastopt": __version__,
+                "torch": torch.__version__, "git_commit": git_commit(), "config": self.config.to_dict()}
+
+    def _say(self, line: str) -> None:
+        if self.progress:
+            print(line, flush=True)
 
     @_memory_advice("the training step")
     def train_epoch(self, epoch: int) -> EpochStats:
@@ -355,7 +443,7 @@ class Trainer:
             raise FastOptError(f"checkpoint {str(path)!r} does not exist; pass the checkpoint.pt "
                                f"written by an earlier run (--checkpoint-dir)")
         state = read_checkpoint(path, map_location=self.device)
-        self.model.load_state_dict(state["model"])
+        load_model_state(self.model, state["model"], f"checkpoint {str(path)!r}")
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"].cpu())
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
@@ -372,6 +460,37 @@ class Trainer:
 
 
 _CHECKPOINT_KEYS = ("epoch", "model", "optimizer", "torch_rng", "history")
+
+# The best validation epoch's weights, beside checkpoint.pt (config.train.restore_best).
+BEST_FILE = "best.pt"
+
+
+def load_model_state(model: nn.Module, state: dict, where: str) -> None:
+    """``model.load_state_dict(state)``, refusing weights of another model or dataset.
+
+    Raises:
+        FastOptError: naming the keys missing or unexpected and the first shapes that differ.
+    """
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
+              if k in state and hasattr(state[k], "shape") and state[k].shape != v.shape]
+    if missing or unexpected or shapes:
+        found = "; ".join(part for part in (
+            f"missing {_some(missing)}" if missing else "",
+            f"unexpected {_some(unexpected)}" if unexpected else "",
+            f"shapes (saved vs this model) {_some(shapes)}" if shapes else "") if part)
+        raise FastOptError(
+            f"{where} holds the weights of another model, dataset or hyperparameters ({found}); "
+            f"resume with the --model, --dataset, feature widths and model hyperparameters of the "
+            f"run that wrote it, or start a new run without --resume")
+    model.load_state_dict(state)
+
+
+def _some(items: list, shown: int = 3) -> str:
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
 
 
 def read_checkpoint(path: Union[str, os.PathLike], map_location=None) -> dict:
@@ -416,13 +535,34 @@ def _as_dict(stats: EpochStats) -> dict:
             "val": stats.val}
 
 
-def _progress(iterable, desc: str, enabled: bool, total: Optional[int] = None):
-    if not enabled:
-        return _Quiet(iterable)
+def format_epoch(record: dict) -> str:
+    """One line per epoch: loss, time, events/s, the stages that took time, validation."""
+    st = record["stages"]
+    # a stage the step never waited on (sampling running ahead on its thread) shows no 0.0s
+    stages = " ".join(f"{k}={st[k]:.1f}s" for k in STAGES if st.get(k, 0.0) >= 0.05)
+    val = record["val"]
+    return (f"epoch {record['epoch']:>3}  loss={record['loss']:.4f}  {record['seconds']:.1f}s "
+            f"({record['events_per_s']:,.0f} ev/s{'; ' + stages if stages else ''})  val ap={val['ap']:.4f} "
+            f"auc={val['auc']:.4f} ({record.get('val_seconds', 0.0):.1f}s)")
+
+
+def _progress(iterable, desc: str, enabled: Union[bool, str], total: Optional[int] = None):
+    if enabled is not True or not (_isatty(sys.stderr) or _in_notebook()):
+        return _Quiet(iterable)  # a log file or pipe gets the per-epoch lines alone
     from tqdm.auto import tqdm
 
-    # disable=None: bars on a terminal only, so logs and pipes get the per-epoch lines alone
-    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True, disable=None)
+    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)
+
+
+def _isatty(stream) -> bool:
+    return bool(getattr(stream, "isatty", None) and stream.isatty())
+
+
+def _in_notebook() -> bool:
+    """Whether this runs in a Jupyter kernel (whose output streams are no terminals)."""
+    ipython = sys.modules.get("IPython")
+    shell = getattr(ipython, "get_ipython", lambda: None)()
+    return type(shell).__name__ == "ZMQInteractiveShell"
 
 
 class _Quiet:

@@ -1,7 +1,10 @@
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+import torch
 
 from fastopt.cli import main
 from fastopt.data import load_file, resolve_dataset, save_npz
@@ -75,3 +78,132 @@ def test_bench_end_to_end_writes_json(tiny_file, tmp_path, capsys):
 def test_bench_rejects_unknown_contenders(capsys):
     assert main(["bench", "--contenders", "eager,tensorflow", "--device", "cpu"]) == 2
     assert "unknown contender" in capsys.readouterr().err
+
+
+def test_no_command_and_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "choose a command: train, bench or data" in err and "cmd" not in err
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("fastopt 0.")
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "one of tgn, tgat, jodie, apan" in capsys.readouterr().out
+
+
+def run_module(*args, **popen):
+    """``python -m fastopt ARGS`` in a fresh process."""
+    return subprocess.Popen([sys.executable, "-m", "fastopt", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+def test_python_dash_m_runs_the_command():
+    proc = run_module("--version")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and out.startswith("fastopt ") and not err
+
+
+def test_closed_pipe_ends_quietly(tiny_file):
+    """``fastopt data info FILE | head -0``: the reader is gone before the first line."""
+    proc = run_module("data", "info", str(tiny_file))
+    proc.stdout.close()  # no reader left: the command's first write meets a broken pipe
+    err = proc.stderr.read()
+    proc.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err and err == ""
+    assert proc.returncode == 141
+
+
+@pytest.fixture
+def fresh_env_config(monkeypatch):
+    """The process defaults read again from the environment on next use (restored after)."""
+    from fastopt import config as fconfig
+
+    monkeypatch.setattr(fconfig, "_DEFAULT", None)
+    return monkeypatch
+
+
+TRAIN = ["train", "--model", "jodie", "--epochs", "1", "--batch-size", "500", "--device", "cpu",
+         "--mrr-negatives", "0", "--no-progress", "--memory-dim", "8", "--dim", "8", "--time-dim", "4"]
+
+
+def test_config_file_missing_malformed_or_misspelled(tiny_file, tmp_path, capsys):
+    base = TRAIN + ["--dataset", str(tiny_file)]
+    missing = tmp_path / "nope.json"
+    assert main(base + ["--config", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"fastopt: error: config file '{missing}' does not exist" in err and "Traceback" not in err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train": {"epochs": 2,}}')
+    assert main(base + ["--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "is not valid JSON" in err and "line 1, column 24" in err and str(bad) in err
+    bad.write_text('{"train": {"epoch": 2}}')
+    assert main(base + ["--config", str(bad)]) == 2
+    assert "did you mean 'train.epochs'" in capsys.readouterr().err
+
+
+def test_config_file_and_flags_set_model_hyperparameters(tiny_file, tmp_path, capsys, monkeypatch):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"model": {"memory_dim": 12, "dim": 6}, "train": {"seed": 3}}))
+    log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
+    argv = ["train", "--dataset", str(tiny_file), "--model", "jodie", "--epochs", "1", "--batch-size", "500",
+            "--device", "cpu", "--mrr-negatives", "0", "--no-progress", "--config", str(cfg),
+            "--dim", "10", "--log", str(log), "--checkpoint-dir", str(ckpt)]
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/fastopt"] + argv)  # as the console script runs it
+    assert main(argv) == 0
+    capsys.readouterr()
+    run = json.loads(log.read_text().splitlines()[0])
+    assert run["config"]["model"]["memory_dim"] == 12 and run["config"]["model"]["dim"] == 10  # the flag wins
+    assert run["seed"] == 3 and run["command"].startswith("fastopt train --dataset") and run["start"]
+    weights = torch.load(ckpt / "checkpoint.pt", weights_only=True)["model"]
+    assert tuple(weights["out.weight"].shape) == (10, 12)
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--model", "tgat", "--heads", "3"], "does not divide into 3 heads"),
+    (["--model", "jodie", "--heads", "4"], "model.heads=4 does not apply to jodie"),
+    (["--model", "tgn", "--fanouts", "10,0"], "--fanouts 10,0: model.fanouts must be"),
+    (["--model", "tgn", "--dropout", "1.5"], "model.dropout must be in [0, 1)"),
+    (["--model", "tgn", "--patience", "-1"], "train.patience must be >= 0"),
+])
+def test_bad_model_flags(tiny_file, flags, fragment, capsys):
+    assert main(["train", "--dataset", str(tiny_file), "--device", "cpu", "--no-progress"] + flags) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_resume_with_another_model_is_refused(tiny_file, tmp_path, capsys):
+    base = TRAIN + ["--dataset", str(tiny_file), "--checkpoint-dir", str(tmp_path)]
+    assert main(base) == 0
+    capsys.readouterr()
+    other = ["train", "--dataset", str(tiny_file), "--model", "tgn", "--device", "cpu", "--no-progress",
+             "--resume", str(tmp_path / "checkpoint.pt")]
+    assert main(other) == 2
+    err = capsys.readouterr().err
+    assert "holds the weights of another model" in err and "missing gru." in err and "Traceback" not in err
+    assert main(base[:-2] + ["--dim", "16", "--resume", str(tmp_path / "checkpoint.pt")]) == 2
+    assert "shapes (saved vs this model) predictor.src_fc.weight (8, 8) vs (16, 16)" in capsys.readouterr().err
+
+
+def test_bad_environment_value_names_the_variable(tiny_file, fresh_env_config, capsys):
+    fresh_env_config.setenv("FASTOPT_TRAIN_EPOCHS", "many")
+    assert main(["data", "info", str(tiny_file)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastopt: error: environment variable FASTOPT_TRAIN_EPOCHS='many'")
+    assert "train.epochs must be of type int" in err and "unset FASTOPT_TRAIN_EPOCHS" in err
+
+
+def test_misspelled_environment_variable_is_reported(tiny_file, fresh_env_config, capsys):
+    fresh_env_config.setenv("FASTOPT_SAMPLER_THREAD", "2")
+    assert main(["data", "info", str(tiny_file)]) == 0
+    err = capsys.readouterr().err
+    assert "fastopt: warning: environment variable FASTOPT_SAMPLER_THREAD is not a fastopt setting" in err
+    assert "did you mean FASTOPT_SAMPLER_THREADS?" in err
+
+
+def test_data_info_formats_numbers_one_way(capsys):
+    assert main(["data", "info", "wikipedia"]) == 0
+    lines = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+    assert lines["events"] == "157,474" and lines["time_span"] == "2,678,373"
+    assert lines["degree_max"] == "1,937" and lines["degree_p99"] == "358.2"

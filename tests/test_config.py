@@ -3,7 +3,7 @@ import json
 import pytest
 
 from fastopt import config as fconfig
-from fastopt.config import Config, _from_env
+from fastopt.config import Config, ConfigWarning, _from_env
 from fastopt.errors import ConfigError
 
 
@@ -18,10 +18,43 @@ def test_roundtrip_json():
 
 def test_env_overrides_are_typed():
     cfg = _from_env(Config(), {"FASTOPT_SAMPLER_THREADS": "4", "FASTOPT_SAMPLER_PIN_THREADS": "yes",
-                               "FASTOPT_TRAIN_LR": "0.001", "FASTOPT_UNRELATED": "x"})
+                               "FASTOPT_TRAIN_LR": "0.001", "FASTOPT_MODEL_FANOUTS": "5,5",
+                               "FASTOPT_SHARED_DATA": "/data"})
     assert cfg.sampler.threads == 4 and cfg.sampler.pin_threads is True and cfg.train.lr == 0.001
-    with pytest.raises(ConfigError, match="FASTOPT|sampler.threads must be of type int"):
+    assert cfg.model_fanouts() == [5, 5]
+    with pytest.raises(ConfigError, match="environment variable FASTOPT_SAMPLER_THREADS='many': "
+                                          "sampler.threads must be of type int"):
         _from_env(Config(), {"FASTOPT_SAMPLER_THREADS": "many"})
+
+
+def test_unknown_env_variables_are_reported_with_the_closest_knob():
+    with pytest.warns(ConfigWarning, match="FASTOPT_CACHE_POLICIES is not a fastopt setting and is "
+                                           "ignored; did you mean FASTOPT_CACHE_POLICY"):
+        cfg = _from_env(Config(), {"FASTOPT_CACHE_POLICIES": "lru", "OTHER": "1"})
+    assert cfg.cache.policy == Config().cache.policy
+
+
+def test_refused_value_leaves_config_unchanged():
+    cfg = Config()
+    with pytest.raises(ConfigError, match="train.batch_size must be >= 1"):
+        cfg.set("train.batch_size", 0)
+    assert cfg.train.batch_size == Config().train.batch_size
+
+
+def test_config_file_over_a_base(tmp_path):
+    base = Config()
+    base.set("sampler.threads", 3)
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"train": {"epochs": 4}, "model": {"heads": 4}}))
+    cfg = Config.from_file(path, base=base)
+    assert (cfg.train.epochs, cfg.model.heads, cfg.sampler.threads) == (4, 4, 3)
+    assert base.train.epochs == Config().train.epochs  # the base is not changed
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="a config must be a JSON object of groups"):
+        Config.from_file(path)
+    path.write_text(json.dumps({"model": {"dropout": 2}}))
+    with pytest.raises(ConfigError, match=r"config file '.*cfg.json': model.dropout must be in \[0, 1\)"):
+        Config.from_file(path)
 
 
 def test_patch_restores_defaults():
@@ -38,6 +71,9 @@ def test_patch_restores_defaults():
     ("train.epochs", 2.5, "of type int"),
     ("nope.x", 1, "unknown config group"),
     ("train.nope", 1, "unknown config field"),
+    ("train.epoch", 1, "did you mean 'train.epochs'"),
+    ("model.fanouts", "10,x", "comma-separated neighbor counts >= 1"),
+    ("model.heads", 0, "model.heads must be >= 1"),
 ])
 def test_bad_values_name_value_and_limit(key, value, fragment):
     with pytest.raises(ConfigError, match=fragment):

@@ -61,7 +61,11 @@ def test_metrics_and_log(small_graph, tmp_path):
     t.log_path = tmp_path / "log.jsonl"
     hist = t.fit(1)
     records = [json.loads(line) for line in t.log_path.read_text().splitlines()]
-    assert records[0]["epoch"] == 0 and "test" in records[-1]
+    run = records[0]
+    assert run["config"] == t.config.to_dict() and run["seed"] == 0 and run["model"] == "JODIE"
+    assert run["start"] and run["command"] and run["dataset"] == small_graph.name
+    assert records[1]["epoch"] == 0 and records[1]["val_seconds"] >= 0 and "test" in records[-1]
+    assert records[-1]["test_seconds"] == t.test_seconds > 0
     test = t.test_metrics
     for key in ("ap", "auc", "mrr"):
         assert 0.0 <= test[key] <= 1.0
@@ -102,3 +106,89 @@ def test_plan_covers_the_split_in_order(small_graph):
     assert b.extra.shape == (700, 4) and b.roots.shape == (700 * 7,)
     np.testing.assert_array_equal(b.roots[:700], small_graph.src[700:1400])
     np.testing.assert_array_equal(b.times, np.tile(small_graph.ts[700:1400], 7))
+
+
+def test_model_hyperparameters_from_config(small_graph):
+    cfg = Config()
+    cfg.set("model.fanouts", "4,3")
+    cfg.set("model.dim", 12)
+    cfg.set("model.heads", 3)
+    model = build_model("tgat", small_graph, cfg, time_dim=6)  # keywords override the config
+    assert model.fanouts == [4, 3] and model.dim == 12 and model.layers[0].num_heads == 3
+    assert model.layers[0].time_enc.w.out_features == 6
+
+
+def fit_with_val_aps(graph, aps, monkeypatch, tmp_path=None, epochs=None, resume=None, **train):
+    """A JODIE trainer whose validation AP per epoch is ``aps`` (the rest of the run is real)."""
+    t = make(graph, "jodie", **train)
+    t.checkpoint_dir = tmp_path
+    real = t.evaluate
+
+    def evaluate(split, mrr_negatives=0):
+        out = real(split, mrr_negatives)
+        if split == "val":
+            out["ap"] = aps[t.epoch]
+        return out
+
+    monkeypatch.setattr(t, "evaluate", evaluate)
+    t.fit(len(aps) if epochs is None else epochs, resume=resume)
+    return t
+
+
+def test_patience_stops_after_epochs_without_improvement(small_graph, monkeypatch, capsys):
+    t = fit_with_val_aps(small_graph, [0.6, 0.7, 0.65, 0.69, 0.9, 0.95], monkeypatch, patience=2)
+    assert len(t.history) == 4 and t.best_epoch == 1 and t.epoch == 4
+    none = fit_with_val_aps(small_graph, [0.6, 0.7, 0.65, 0.69], monkeypatch)  # patience 0: every epoch
+    assert len(none.history) == 4
+
+
+def same_state(a: Trainer, b: Trainer) -> bool:
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_restore_best_tests_the_best_epochs_weights(small_graph, monkeypatch, tmp_path):
+    aps = [0.6, 0.7, 0.65]
+    best = fit_with_val_aps(small_graph, aps, monkeypatch, restore_best=True)
+    two = make(small_graph, "jodie")
+    two.fit(2)  # training that ends at the best epoch holds the same weights and state
+    assert best.best_epoch == 1 and len(best.history) == 3 and same_state(best, two)
+    last = fit_with_val_aps(small_graph, aps, monkeypatch)  # without restore_best: the last epoch's
+    assert not same_state(last, two)
+    # interrupted after epoch 2 and resumed: best.pt beside the checkpoint restores epoch 1
+    fit_with_val_aps(small_graph, aps, monkeypatch, tmp_path, epochs=3, restore_best=True)
+    assert (tmp_path / "best.pt").exists()
+    resumed = fit_with_val_aps(small_graph, aps + [0.5], monkeypatch, epochs=4, restore_best=True,
+                               resume=tmp_path / "checkpoint.pt")
+    assert resumed.best_epoch == 1 and len(resumed.history) == 4 and same_state(resumed, two)
+    (tmp_path / "best.pt").unlink()
+    with pytest.raises(FastOptError, match="restore_best needs the weights of epoch 1"):
+        fit_with_val_aps(small_graph, aps + [0.5], monkeypatch, epochs=4, restore_best=True,
+                         resume=tmp_path / "checkpoint.pt")
+
+
+def test_fit_prints_epochs_and_timed_test(small_graph, capsys):
+    t = make(small_graph, "jodie")
+    t.progress = "lines"
+    t.fit(1)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("epoch   0  loss=") and " val ap=" in out[0]
+    assert "sample=0.0s" not in out[0] and "gather=0.0s" not in out[0]
+    assert out[-1].startswith("test: ap=") and out[-1].endswith("s)")
+    with pytest.raises(ConfigError, match="progress must be True, False or 'lines'"):
+        Trainer(build_model("jodie", small_graph, **TINY["jodie"]), small_graph, t.config, progress="bars")
+
+
+def test_progress_bars_in_a_notebook(monkeypatch):
+    """Jupyter's output streams are no terminals; bars are drawn there all the same."""
+    import sys
+    import types
+
+    from fastopt import trainer
+
+    assert isinstance(trainer._progress(range(3), "x", True), trainer._Quiet)  # pytest: no terminal
+    shell = type("ZMQInteractiveShell", (), {})()
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
+    bar = trainer._progress(range(3), "x", True)
+    assert not isinstance(bar, trainer._Quiet) and list(bar) == [0, 1, 2]
+    assert isinstance(trainer._progress(range(3), "x", "lines"), trainer._Quiet)

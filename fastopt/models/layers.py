@@ -15,6 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastopt.errors import ModelError
+
+# How to fix widths that do not divide into the heads (the knobs of fastopt.Config.model).
+_HEADS_FIX = ("set model.heads (--heads) to a divisor of that width, or model.dim, model.memory_dim "
+              "and model.time_dim (--dim, --memory-dim, --time-dim) to multiples of the heads")
+
 __all__ = [
     "TimeEncode",
     "TemporalAttention",
@@ -58,7 +64,8 @@ class TemporalAttention(nn.Module):
         super().__init__()
         nbr_dim = node_dim if nbr_dim is None else nbr_dim
         if out_dim % num_heads:
-            raise ValueError(f"out_dim {out_dim} must be divisible by num_heads {num_heads}")
+            raise ModelError(f"attention width {out_dim} does not divide into {num_heads} heads; "
+                             f"{_HEADS_FIX}")
         self.num_heads = num_heads
         self.head_dim = out_dim // num_heads
         self.scale = self.head_dim ** -0.5
@@ -113,7 +120,8 @@ class MultiheadTemporalAttention(nn.Module):
         nbr_dim = node_dim if nbr_dim is None else nbr_dim
         query_dim = node_dim + time_dim
         if query_dim % num_heads:
-            raise ValueError(f"node_dim + time_dim = {query_dim} must be divisible by num_heads {num_heads}")
+            raise ModelError(f"attention query width (node width {node_dim} + time width {time_dim} = "
+                             f"{query_dim}) does not divide into {num_heads} heads; {_HEADS_FIX}")
         kv_dim = nbr_dim + edge_dim + time_dim
         self.time_enc = TimeEncode(time_dim)
         self.attn = nn.MultiheadAttention(query_dim, num_heads, dropout=dropout, kdim=kv_dim,
