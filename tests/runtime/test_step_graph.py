@@ -119,3 +119,26 @@ def test_a_run_settles_on_one_captured_shape_per_batch_size(small_graph):
         captures.append(t._step_graphs.captures)
     assert lengths == sorted(lengths)  # never shrinks
     assert captures[2] == captures[1] and t._step_graphs.disabled is None
+
+
+def test_dropout_draws_fresh_masks_at_every_replay():
+    """A captured step with dropout (the fused attention's and nn.Dropout) must not replay one mask."""
+    import fastopt
+    from fastopt.models.layers import TemporalAttention
+
+    torch.manual_seed(0)
+    layer = fastopt.optimize(TemporalAttention(8, 4, 4, 8, num_heads=2, dropout=0.5).cuda())
+    m, k = 64, 5
+    args = [torch.randn(m, 8, device="cuda"), torch.randn(m, k, 8, device="cuda"),
+            torch.randn(m, k, 4, device="cuda"), torch.rand(m, k, device="cuda"),
+            torch.rand(m, k, device="cuda") > 0.2]
+
+    def step(tensors, constant):
+        return layer(*tensors).detach().clone()
+
+    graphs = StepGraphs(step, warmup=1)
+    outs = [graphs(args).clone() for _ in range(5)]  # a replay's output is the graph's own
+    assert graphs.captures == 1 and graphs.disabled is None, graphs.disabled
+    for i in range(1, 5):  # the first call ran eagerly; the others are the capture's run and replays
+        for j in range(i):
+            assert not torch.equal(outs[i], outs[j]), (i, j)
