@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fastopt.runtime.blocks import SampledBatch, TemporalBlock, Unique
-from fastopt.runtime.validate import check_fanouts, check_roots
+from fastopt.runtime.validate import check_fanouts, check_graph_arrays, check_roots, check_sample_size
 
 __all__ = ["NumpySampler", "check_roots", "check_fanouts"]
 
@@ -45,8 +45,8 @@ class NumpySampler:
         self.seed = int(seed)
         self._epoch = 0
         self._calls = 0
-        n = graph.num_events if limit is None else int(limit)
-        src, dst, ts = graph.src[:n], graph.dst[:n], graph.ts[:n]
+        src, dst, ts = check_graph_arrays(graph, limit)
+        n = src.shape[0]
         eid = np.arange(n, dtype=np.int64)
         if undirected:
             node = np.concatenate([src, dst])
@@ -71,6 +71,7 @@ class NumpySampler:
     def sample(self, roots, times) -> SampledBatch:
         """Sample every layer for ``roots`` at ``times``."""
         roots, times = check_roots(roots, times, self.num_nodes)
+        check_sample_size(roots.shape[0], self.fanouts)
         self._rng = np.random.default_rng([self.seed, self._epoch, self._calls])
         self._calls += 1
         blocks = []

@@ -49,7 +49,8 @@ from fastopt.errors import SamplerError
 from fastopt.runtime.blocks import SampledBatch, TemporalBlock, Unique
 from fastopt.runtime.reorder import node_rows
 from fastopt.runtime.topology import plan_placement, read_topology, static_chunks
-from fastopt.runtime.validate import check_fanouts, check_graph_arrays, check_roots, check_threads
+from fastopt.runtime.validate import (check_fanouts, check_graph_arrays, check_roots, check_sample_size,
+                                      check_threads)
 
 __all__ = ["TemporalSampler", "OPENMP"]
 
@@ -545,6 +546,7 @@ cdef class TemporalSampler:
         if r is None or t is None or r.dim() != 1 or r.shape != t.shape:
             r, t = (torch.from_numpy(np.require(a, requirements=("C", "W")))
                     for a in check_roots(roots, times, self._num_nodes))
+        check_sample_size(r.shape[0], self.fanouts)
         with self._lock:
             if self.pin_threads:
                 self._pin(r)

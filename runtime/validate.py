@@ -6,6 +6,7 @@ and converts silently only where no information is lost.
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import numpy as np
@@ -13,9 +14,37 @@ import torch
 
 from fastopt.errors import SamplerError
 
-__all__ = ["STRATEGIES", "check_fanouts", "check_graph_arrays", "check_roots", "check_threads"]
+__all__ = ["STRATEGIES", "check_fanouts", "check_graph_arrays", "check_roots", "check_threads",
+           "check_sample_size"]
 
 STRATEGIES = ("recent", "uniform")
+# Bytes of one padded slot of a sampled layer: neighbor, edge id and time (8 each), dt (4), mask (1).
+SLOT_BYTES = 29
+# Bytes per node of the sampler's per-node arrays (T-CSR row pointers, time pointers, dedup bits).
+NODE_BYTES = 17
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of the host: no request above it can be served."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+def check_sample_size(num_roots: int, fanouts: Sequence[int]) -> None:
+    """Refuse a batch whose padded ``[M, k]`` layers could not fit in the host's memory (huge
+    fan-outs), before anything is allocated."""
+    rows, slots = int(num_roots), 0
+    for k in fanouts:
+        rows *= int(k)
+        slots += rows
+    limit = host_memory_bytes()
+    if slots * SLOT_BYTES > limit:
+        raise SamplerError(
+            f"{num_roots} roots with fanouts {list(fanouts)} make {slots:,} sampled slots "
+            f"({slots * SLOT_BYTES:,} bytes), above the {limit:,} bytes of host memory; use smaller "
+            f"fanouts or fewer roots per batch (train.batch_size)")
 
 
 def check_fanouts(fanouts: Sequence[int], strategy: str) -> list:
@@ -76,6 +105,11 @@ def check_graph_arrays(graph, limit=None):
     dst = np.ascontiguousarray(graph.dst[:n], dtype=np.int64)
     ts = np.ascontiguousarray(graph.ts[:n], dtype=np.float64)
     num_nodes = int(graph.num_nodes)
+    if num_nodes < 0 or num_nodes * NODE_BYTES > host_memory_bytes():
+        raise SamplerError(
+            f"num_nodes={num_nodes:,} needs {max(num_nodes, 0) * NODE_BYTES:,} bytes of per-node arrays, "
+            f"outside [0, {host_memory_bytes():,}] bytes of host memory; number the nodes densely "
+            f"from 0 (the loaders do) so that num_nodes is the count of nodes")
     if n and (min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= num_nodes):
         raise SamplerError(f"event endpoints must lie in [0, num_nodes={num_nodes}); the graph "
                            f"has ids {min(src.min(), dst.min())}..{max(src.max(), dst.max())}")
