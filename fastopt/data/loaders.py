@@ -271,12 +271,12 @@ def _numeric_table(lines: list, delim: Optional[str], where: str, line_offset: i
                     f"row must hold numbers only (ids, time, label, features)"
                 ) from None
         raise
-    if flat.size % ncols:
+    if flat.size != ncols * len(lines):
         for i, line in enumerate(lines):
-            n = len(line.split(delim)) if delim else len(line.split())
+            n = len(line.replace(delim, " ").split()) if delim else len(line.split())
             if n != ncols:
-                raise DataError(f"{where}, line {i + line_offset} has {n} columns, the first row "
-                                f"has {ncols}; every row needs the same columns")
+                raise DataError(f"{where}, line {i + line_offset} has {n} values, the first row "
+                                f"has {ncols} columns; every row needs a value in every column")
     return flat.reshape(-1, ncols)
 
 
