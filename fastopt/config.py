@@ -40,6 +40,7 @@ else:
     OPENMP_WAIT_POLICY = None
 
 __all__ = [
+    "DataConfig",
     "SamplerConfig",
     "CacheConfig",
     "KernelsConfig",
@@ -55,6 +56,13 @@ __all__ = [
     "patch",
     "resolve_config",
 ]
+
+
+@dataclass
+class DataConfig:
+    # parsed event files (.npz, keyed by content hash); "" = ~/.cache/fastopt/datasets (or
+    # $XDG_CACHE_HOME); nothing is written beside the data
+    cache_dir: str = ""
 
 
 @dataclass
@@ -241,6 +249,7 @@ class TunerConfig:
 class Config:
     """All knobs of fastopt, grouped by concern."""
 
+    data: DataConfig = field(default_factory=DataConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
@@ -490,9 +499,9 @@ class ConfigWarning(UserWarning):
 
 
 # FASTOPT_* variables read elsewhere (not config knobs): tests' data folder, graph dumps of the
-# passes, the commit a benchmark record names, the build without OpenMP, the dataset cache.
+# passes, the commit a benchmark record names, the build without OpenMP.
 OTHER_VARIABLES = ("FASTOPT_SHARED_DATA", "FASTOPT_DUMP_GRAPHS", "FASTOPT_GIT_COMMIT",
-                   "FASTOPT_NO_OPENMP", "FASTOPT_CACHE_DIR")
+                   "FASTOPT_NO_OPENMP")
 
 
 def _env_keys(cfg: Config) -> dict:

@@ -19,6 +19,23 @@ def shared_data_dir() -> Path:
     return Path(env) if env else REPO.parent / "shared" / "data"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def dataset_cache(tmp_path_factory) -> Path:
+    """Parsed-dataset caches of the session go to a temporary folder (child processes too):
+    the suite writes nothing beside the data, in the package or in the user's cache."""
+    from fastopt.config import patch
+
+    path = tmp_path_factory.mktemp("dataset-cache")
+    saved = os.environ.get("FASTOPT_DATA_CACHE_DIR")
+    os.environ["FASTOPT_DATA_CACHE_DIR"] = str(path)
+    with patch(data__cache_dir=str(path)):
+        yield path
+    if saved is None:
+        del os.environ["FASTOPT_DATA_CACHE_DIR"]
+    else:
+        os.environ["FASTOPT_DATA_CACHE_DIR"] = saved
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     path = shared_data_dir()

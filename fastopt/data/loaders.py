@@ -12,8 +12,8 @@ Formats (optionally gzip-compressed, detected by magic bytes):
 * ``.npz`` written by :func:`save_npz` (and by ``fastopt data synth``).
 
 Ids are remapped to dense ``0..N-1`` and events sorted stably by time. Parsed files are cached
-as ``.npz`` beside the source (or in the user cache directory when that is read-only), keyed
-by the content hash of the file. Every ``.npz`` fastopt writes carries the SHA-256 of its arrays
+as ``.npz`` in the user cache directory (:func:`dataset_cache_dir`; nothing is written beside
+the data or into the package), keyed by the content hash of the file. Every ``.npz`` fastopt writes carries the SHA-256 of its arrays
 (a cache entry also the hash of the file it was parsed from); one that no longer matches is
 refused, and a damaged cache entry is reported (a ``RuntimeWarning``) and parsed again.
 """
@@ -32,10 +32,11 @@ from typing import Optional, Union
 import numpy as np
 
 from fastopt.codegen.cache import atomic_file
+from fastopt.config import default_config
 from fastopt.data.graph import TemporalGraph
 from fastopt.errors import DataError
 
-__all__ = ["load_dataset", "load_file", "save_npz", "builtin_datasets", "resolve_dataset"]
+__all__ = ["load_dataset", "load_file", "save_npz", "builtin_datasets", "resolve_dataset", "dataset_cache_dir"]
 
 # Version of the parser and of the cache entries' layout (2: entries carry content hashes).
 _PARSER_VERSION = "2"
@@ -110,17 +111,16 @@ def load_file(path: Union[str, os.PathLike], cache: bool = True) -> TemporalGrap
         return _load_npz(path, name)
     source = hashlib.sha256(raw).hexdigest()
     digest = source[:16]
-    if cache:
-        for cached in _cache_paths(path, digest):
-            if cached.exists():
-                try:
-                    return _load_npz(cached, name, source=source)
-                except DataError as exc:
-                    warnings.warn(f"dataset cache entry {cached} is not used ({exc}); {path} is "
-                                  f"parsed again and the entry rewritten", RuntimeWarning, stacklevel=2)
+    cached = dataset_cache_dir() / f"{path.name}.{digest}.v{_PARSER_VERSION}.npz"
+    if cache and cached.exists():
+        try:
+            return _load_npz(cached, name, source=source)
+        except DataError as exc:
+            warnings.warn(f"dataset cache entry {cached} is not used ({exc}); {path} is "
+                          f"parsed again and the entry rewritten", RuntimeWarning, stacklevel=2)
     graph = _parse_text(raw, name, str(path))
     if cache:
-        _write_cache(path, digest, _arrays(graph, **{_SOURCE: np.str_(source)}))
+        _write_cache(cached, _arrays(graph, **{_SOURCE: np.str_(source)}))
     return graph
 
 
@@ -159,21 +159,23 @@ def _write_npz(arrays: dict, path: Union[str, os.PathLike]) -> None:
 
 
 # --------------------------------------------------------------------------------- cache
-def _cache_paths(source: Path, digest: str) -> tuple:
-    """Where a parsed copy may live, in order: beside the source, then the user cache (used when
-    the source's folder is read-only)."""
-    entry = f"{source.name}.{digest}.v{_PARSER_VERSION}.npz"
-    user = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastopt" / "datasets"
-    return source.with_name(entry), user / entry
+def dataset_cache_dir() -> Path:
+    """Where parsed event files are cached: ``config.data.cache_dir``, else
+    ``$XDG_CACHE_HOME/fastopt/datasets`` or ``~/.cache/fastopt/datasets``."""
+    configured = default_config().data.cache_dir
+    if configured:
+        return Path(configured).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fastopt" / "datasets"
 
 
-def _write_cache(source: Path, digest: str, arrays: dict) -> None:
-    for target in _cache_paths(source, digest):
-        try:
-            _write_npz(arrays, target)
-            return
-        except OSError:
-            continue  # read-only folder: try the user cache, else run uncached
+def _write_cache(target: Path, arrays: dict) -> None:
+    try:
+        _write_npz(arrays, target)
+    except OSError as exc:
+        warnings.warn(f"the dataset cache {target.parent} cannot be written ({exc.strerror or exc}); "
+                      f"the file will be parsed again next time. Set data.cache_dir "
+                      f"(FASTOPT_DATA_CACHE_DIR) to a writable folder", RuntimeWarning, stacklevel=3)
 
 
 def _load_npz(path: Path, name: str, source: Optional[str] = None) -> TemporalGraph:

@@ -81,7 +81,16 @@ def test_gzip_detected_by_content_not_extension(tmp_path):
     assert load_file(f, cache=False).num_events == 2
 
 
-def test_npz_roundtrip_and_cache(tmp_path, small_graph):
+@pytest.fixture
+def cache_dir(tmp_path):
+    """This test's own dataset cache."""
+    from fastopt.config import patch
+
+    with patch(data__cache_dir=str(tmp_path / "cache")):
+        yield tmp_path / "cache"
+
+
+def test_npz_roundtrip_and_cache(tmp_path, small_graph, cache_dir):
     out = tmp_path / "g.npz"
     save_npz(small_graph, out)
     umask = os.umask(0)
@@ -92,15 +101,16 @@ def test_npz_roundtrip_and_cache(tmp_path, small_graph):
     np.testing.assert_array_equal(g.edge_feat, small_graph.edge_feat)
     f = write(tmp_path / "c.txt", "1 2 3\n2 1 4\n")
     load_file(f)
-    assert list(tmp_path.glob("c.txt.*.npz")), "parsed graph was not cached beside the source"
+    assert list(cache_dir.glob("c.txt.*.npz")), "parsed graph was not cached"
+    assert not list(tmp_path.glob("c.txt.*")), "a file was written beside the source"
     assert load_file(f).num_events == 2  # served from the cache
 
 
 @pytest.mark.parametrize("damage", ["truncated", "altered", "foreign"])
-def test_a_bad_cache_entry_is_reported_and_rebuilt(tmp_path, damage):
+def test_a_bad_cache_entry_is_reported_and_rebuilt(tmp_path, damage, cache_dir):
     f = write(tmp_path / "c.txt", "1 2 3\n2 1 4\n3 1 5\n")
     parsed = load_file(f)
-    (entry,) = tmp_path.glob("c.txt.*.npz")
+    (entry,) = cache_dir.glob("c.txt.*.npz")
     good = entry.read_bytes()
     if damage == "truncated":
         entry.write_bytes(good[: len(good) // 2])
@@ -207,15 +217,29 @@ def test_pyg_roundtrip(small_graph):
     np.testing.assert_array_equal(back.edge_feat, small_graph.edge_feat)
 
 
-def test_user_cache_is_read_back_when_the_source_folder_is_read_only(tmp_path, monkeypatch):
-    from fastopt.data import loaders
+def test_dataset_cache_folder_and_an_unwritable_one(tmp_path, monkeypatch):
+    from fastopt.config import patch
+    from fastopt.data import dataset_cache_dir
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    with patch(data__cache_dir=""):
+        assert dataset_cache_dir() == tmp_path / "xdg" / "fastopt" / "datasets"
+        monkeypatch.delenv("XDG_CACHE_HOME")
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        assert dataset_cache_dir() == tmp_path / "home" / ".cache" / "fastopt" / "datasets"
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache folder should be")
     f = write(tmp_path / "s.txt", "1 2 3\n2 1 4\n")
-    source = __import__("hashlib").sha256(f.read_bytes()).hexdigest()
-    beside, user = loaders._cache_paths(f, source[:16])
-    # only the user cache holds an entry (as after a run whose source folder was read-only)
-    marker = TemporalGraph(np.array([0, 1, 2]), np.array([1, 2, 0]), np.arange(3.0), num_nodes=3)
-    loaders._write_npz(loaders._arrays(marker, source_sha256=np.str_(source)), user)
-    assert not beside.exists()
-    assert load_file(f).num_events == 3  # served from the user cache, not parsed (2 events)
+    with patch(data__cache_dir=str(blocked / "cache")):
+        with pytest.warns(RuntimeWarning, match="cannot be written.*FASTOPT_DATA_CACHE_DIR"):
+            assert load_file(f).num_events == 2  # parsed all the same
+
+
+def test_the_suite_writes_no_cache_beside_the_data(shared_data, dataset_cache):
+    before = sorted(shared_data.iterdir())
+    load_dataset(shared_data / "CollegeMsg.txt.gz")
+    assert sorted(shared_data.iterdir()) == before and list(dataset_cache.glob("CollegeMsg.txt.gz.*.npz"))
+    package = builtin_datasets()["wikipedia"].parent
+    before = sorted(package.iterdir())
+    load_dataset("wikipedia")
+    assert sorted(package.iterdir()) == before and list(dataset_cache.glob("wikipedia.csv.gz.*.npz"))
