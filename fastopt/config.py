@@ -71,7 +71,8 @@ class SamplerConfig:
     threads: int = 0
     # graph reordering inside the sampler: "none", "degree" or "rcm" (reverse Cuthill-McKee)
     reorder: str = "none"
-    # pin sampler threads to cores that share a cache, read from /sys/devices/system/cpu
+    # pin sampler threads to cores that share a cache, read from /sys/devices/system/cpu (pairing
+    # the threads needs networkx: pip install "fastopt[topology]")
     pin_threads: bool = False
     # treat every event as two directed edges (src->dst and dst->src)
     undirected: bool = True

@@ -7,7 +7,7 @@ level), threads are paired by networkx's maximum-weight matching on the overlap 
 chunks, and each pair is placed on two CPUs of the smallest cache domain with room for it.
 
 When there is nothing to exploit (one usable CPU, more threads than CPUs, no cache shared by two
-usable CPUs, no sysfs) :func:`plan_placement` returns a placement without CPUs and a reason, and
+usable CPUs, no sysfs) or networkx is not installed (the ``topology`` extra) :func:`plan_placement` returns a placement without CPUs and a reason, and
 the sampler leaves its threads where the OS puts them.
 """
 
@@ -117,7 +117,11 @@ def plan_placement(topology: CpuTopology, threads: int,
                                f"oversubscribe")
     if not topology.shared:
         return Placement(None, "no cache shared by two usable CPUs")
-    pairs = _pair_threads(chunk_nodes)
+    try:
+        pairs = _pair_threads(chunk_nodes)
+    except ImportError:
+        return Placement(None, "networkx, which pairs the threads, is not installed; "
+                               "pip install \"fastopt[topology]\" to pin them")
     free = list(cpus)
     chosen: Dict[int, int] = {}
     level_used = None

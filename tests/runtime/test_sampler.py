@@ -374,6 +374,16 @@ def test_read_topology_and_pairing_on_fake_sysfs(tmp_path):
     assert sorted(plan.cpus) == [0, 1, 2, 3]
 
 
+def test_placement_without_networkx_leaves_threads_unpinned(tmp_path, monkeypatch):
+    import sys
+
+    fake_sysfs(tmp_path, range(4), [(0, 2), (1, 3)])
+    topo = read_topology(str(tmp_path), allowed=[0, 1, 2, 3])
+    monkeypatch.setitem(sys.modules, "networkx", None)  # import networkx raises ImportError
+    plan = plan_placement(topo, 4, [np.arange(3)] * 4)
+    assert plan.cpus is None and 'pip install "fastopt[topology]"' in plan.reason
+
+
 def test_placement_falls_back_when_nothing_to_exploit(tmp_path):
     fake_sysfs(tmp_path, range(2), [(0,), (1,)])
     no_l3 = read_topology(str(tmp_path), allowed=[0])
