@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -222,12 +223,12 @@ def test_write_back_on_the_cache_device_equals_a_plain_tensor_run_bit_for_bit(de
     cache.close()
 
 
-def recorded_streams():
+def recorded_streams(data_dir: Path):
     """Edge-id streams of a real dataset under recent (1x10) and uniform (2x10) sampling."""
     from fastopt.data import load_dataset
     from fastopt.sampling import NumpySampler
 
-    graph = load_dataset("/work/shared/data/CollegeMsg.txt.gz")
+    graph = load_dataset(data_dir / "CollegeMsg.txt.gz")
     rng = np.random.default_rng(0)
     pool = graph.destination_pool()
     streams = {}
@@ -245,13 +246,14 @@ def recorded_streams():
 
 
 @lru_cache(maxsize=1)
-def cached_streams():
-    return recorded_streams()
+def cached_streams(data_dir: Path):
+    return recorded_streams(data_dir)
 
 
 @pytest.mark.parametrize("stream_name", ["recent", "uniform"])
-def test_future_matches_the_optimum_and_never_loses_to_lru_on_recorded_streams(stream_name):
-    batches, rows = cached_streams()[stream_name]
+def test_future_matches_the_optimum_and_never_loses_to_lru_on_recorded_streams(shared_data,
+                                                                                stream_name):
+    batches, rows = cached_streams(shared_data)[stream_name]
     table = torch.zeros(rows, 1)
     for capacity in (0, 50, 300, 1500):
         misses = {}
