@@ -24,7 +24,7 @@ from fastopt.errors import TraceError
 from fastopt.passes.graphs import attach_graph_runners
 from fastopt.passes.manager import PassManager
 from fastopt.passes.pipeline import default_pipeline
-from fastopt.passes.report import LeftAlone, RewriteReport
+from fastopt.passes.report import LeftAlone, RewriteReport, Verification
 from fastopt.passes.tracing import is_builtin_leaf, trace
 from fastopt.passes.verify import verified_call
 
@@ -43,6 +43,7 @@ class OptimizedForward:
     _fastopt_path: str = "<root>"
 
     _fastopt_changes: Dict[str, object] = {}
+    _fastopt_verification: Optional[Verification] = None  # this module's line of the report
 
     def _fastopt_run(self, *args, **kwargs):
         gm = self._fastopt_graphs[self.training]
@@ -55,8 +56,11 @@ class OptimizedForward:
         if self._fastopt_verify > 0:
             self.__dict__["_fastopt_verify"] = self._fastopt_verify - 1
             original = super().forward  # the user's forward, on the same objects
-            verified_call(self, original, self._fastopt_run, args, kwargs,
-                          f"fastopt.optimize(verify=True): {self._fastopt_path}")
+            largest = verified_call(self, original, self._fastopt_run, args, kwargs,
+                                    f"fastopt.optimize(verify=True): {self._fastopt_path}")
+            record = self._fastopt_verification
+            record.calls += 1
+            record.largest = max(record.largest, largest)
         return self._fastopt_run(*args, **kwargs)
 
 
@@ -90,6 +94,10 @@ def _rewritten(module: nn.Module, graphs: Dict[bool, fx.GraphModule], path: str,
     new.__dict__["_fastopt_changes"] = dict(options["changes"])
     new.__dict__["_fastopt_path"] = path or "<root>"
     new.__dict__["_fastopt_verify"] = VERIFY_CALLS if options["verify"] else 0
+    if options["verify"]:
+        record = Verification(path or "<root>")
+        options["report"].verifications.append(record)
+        new.__dict__["_fastopt_verification"] = record
     for gm in graphs.values():
         for node in gm.graph.nodes:
             # Tensor constants the tracer lifted (not parameters/buffers of the user's module).
@@ -165,7 +173,7 @@ def optimize_module(model: nn.Module, make_pipeline=default_pipeline,
         ``(optimized, report)``; ``optimized is model`` when nothing was rewritten.
     """
     report = RewriteReport(model=type(model).__name__)
-    options = {"verify": verify, "changes": changes or {}}
+    options = {"verify": verify, "changes": changes or {}, "report": report}
     optimized = _optimize(model, "", report, make_pipeline, options)
     if not report.passes:
         report.passes = make_pipeline().names

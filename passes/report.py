@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-__all__ = ["Rewrite", "LeftAlone", "GraphCapture", "RewriteReport"]
+__all__ = ["Rewrite", "LeftAlone", "GraphCapture", "Verification", "RewriteReport"]
 
 
 @dataclass
@@ -86,6 +86,27 @@ class GraphCapture:
 
 
 @dataclass
+class Verification:
+    """``verify=True``: what was compared against eager for one rewritten module, and the result.
+
+    Attributes:
+        where: Module path (``<root>`` for the model).
+        calls: Calls whose outputs were compared so far.
+        largest: The largest absolute difference of any floating-point output element.
+    """
+
+    where: str
+    calls: int = 0
+    largest: float = 0.0
+
+    def __str__(self) -> str:
+        if not self.calls:
+            return f"{self.where}  waiting for its first call"
+        return (f"{self.where}  {self.calls} call(s) compared: outputs within tolerance, largest "
+                f"absolute difference {self.largest:.3g} (float32 allows 1e-05 + 1e-04 * |eager|)")
+
+
+@dataclass
 class RewriteReport:
     """What :func:`fastopt.optimize` did to a model.
 
@@ -97,6 +118,8 @@ class RewriteReport:
         passes: Names of the passes in the pipeline, in order.
         graphs: CUDA-graph state of the root and of each rewritten module (see
             :mod:`fastopt.passes.graphs`), filled in as the optimized model runs.
+        verifications: With ``verify=True``, each rewritten module's comparisons against its
+            eager forward (filled in by its first calls).
     """
 
     model: str
@@ -105,6 +128,7 @@ class RewriteReport:
     left_alone: List[LeftAlone] = field(default_factory=list)
     passes: List[str] = field(default_factory=list)
     graphs: List[GraphCapture] = field(default_factory=list)
+    verifications: List[Verification] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
@@ -142,9 +166,18 @@ class RewriteReport:
             lines.append("  left alone:")
             for a in self.left_alone:
                 lines.append(f"    {a.where}  [{a.pass_name}] {a.reason}")
-        if self.graphs:
+        if self.verifications:
+            lines.append("  verified against eager (verify=True; the first calls, without gradients):")
+            lines.extend(f"    {v}" for v in self.verifications)
+        if self.graphs and _cuda_available():  # on a CPU-only machine there is nothing to capture
             lines.append("  cuda graphs:")
             lines.extend(f"    {g}" for g in self.graphs)
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -81,9 +81,10 @@ def trace(module: nn.Module, training: bool) -> fx.GraphModule:
         try:
             graph = FastOptTracer().trace(module)
         except Exception as exc:  # fx raises anything the traced code raises on proxies
+            # the first sentence says what failed; fx's advice after it is about fx, not the model
+            first = str(exc).strip().splitlines()[0].split(". ")[0].rstrip(".") if str(exc).strip() else ""
             raise TraceError(
-                f"{type(module).__name__} cannot be traced by torch.fx: {type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}"
+                f"{type(module).__name__} cannot be traced by torch.fx ({type(exc).__name__}: {first})"
             ) from exc
         gm = fx.GraphModule(module, graph, class_name=type(module).__name__)
     if writes:

@@ -3,7 +3,8 @@
 The check runs each rewritten module's original ``forward`` and its rewritten graph on the same
 inputs, from the same random state and with fused dropout turned off (so dropout draws, where
 active, come from the same generator in the same order), without gradients; the call then
-proceeds normally. A disagreement raises :class:`TraceError` with the largest difference.
+proceeds normally. A disagreement raises :class:`TraceError` with the largest difference; an
+agreement returns it, for the report (:class:`~fastopt.passes.report.Verification`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ def _leaves(x: Any, path: str = "output") -> List[Tuple[str, Any]]:
     return [(path, x)]
 
 
-def compare(eager: Any, optimized: Any, where: str) -> None:
-    """Raise :class:`TraceError` unless ``optimized`` matches ``eager`` within :func:`tolerance`."""
+def compare(eager: Any, optimized: Any, where: str) -> float:
+    """Raise :class:`TraceError` unless ``optimized`` matches ``eager`` within :func:`tolerance`;
+    return the largest absolute difference of the floating-point outputs."""
+    largest = 0.0
     for (path, a), (_, b) in zip(_leaves(eager), _leaves(optimized)):
         if not isinstance(a, Tensor):
             if a != b and not (a is None and b is None):
@@ -57,6 +60,7 @@ def compare(eager: Any, optimized: Any, where: str) -> None:
         both_nan = a64.isnan() & b64.isnan()
         diff = (a64 - b64).abs().masked_fill(both_nan, 0.0).nan_to_num(nan=float("inf"))
         excess = diff - (atol + rtol * a64.abs().nan_to_num(nan=0.0))
+        largest = max(largest, float(diff.max()))
         worst = int(excess.argmax())
         if float(excess.view(-1)[worst]) > 0:
             index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), a.shape))
@@ -67,17 +71,19 @@ def compare(eager: Any, optimized: Any, where: str) -> None:
                 f"allowed {atol:g} + {rtol:g} * |eager|). Use the model without fastopt.optimize "
                 f"and report the model to the fastopt developers"
             )
+    return largest
 
 
 def _devices() -> List[int]:
     return [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
 
-def verified_call(module, original_forward, optimized_forward, args, kwargs, where: str) -> None:
-    """Compare ``original_forward`` and ``optimized_forward`` on one call (no gradients)."""
+def verified_call(module, original_forward, optimized_forward, args, kwargs, where: str) -> float:
+    """Compare ``original_forward`` and ``optimized_forward`` on one call (no gradients); the
+    largest absolute difference of their outputs."""
     with torch.no_grad():
         with torch.random.fork_rng(devices=_devices()):
             eager = original_forward(*args, **kwargs)
         with torch.random.fork_rng(devices=_devices()), patch(passes__fuse_dropout=False):
             fused = optimized_forward(*args, **kwargs)
-    compare(eager, fused, where)
+    return compare(eager, fused, where)

@@ -134,7 +134,9 @@ def test_report_lists_graph_candidates_and_cpu_calls_pass_through():
     with patch(passes__cuda_graphs="on"):
         out = fast(inputs)
     assert report.graphs[0].state == "not captured" and "cpu" in report.graphs[0].reason
-    assert "cuda graphs:" in str(report) and "CUDA graphs capture CUDA work only" in str(report)
+    assert "CUDA graphs capture CUDA work only" in report.graphs[0].reason
+    # a CPU-only machine has nothing to capture: the report leaves the section out
+    assert ("cuda graphs:" in str(report)) == torch.cuda.is_available()
     assert report.captured_modules() == []
     with patch(passes__cuda_graphs="off"):
         plain = fast(inputs)

@@ -43,13 +43,29 @@ def test_untraceable_model_comes_back_unchanged():
     assert out is model
     text = str(out.fastopt_report)
     assert "cannot be traced" in text and "returned unchanged" in text
+    assert "torch.fx docs" not in text and "Proxy docstring" not in text  # fx's own advice is left out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only report")
+def test_cpu_report_has_no_cuda_graph_lines():
+    layer = TemporalAttention(8, 4, 6, 8).eval()
+    fast = fastopt.optimize(layer)
+    fast(*_layer_inputs())
+    assert fast.fastopt_report.graphs and "cuda graphs" not in str(fast.fastopt_report)
 
 
 def test_verify_passes_and_catches_a_wrong_rewrite(monkeypatch):
     torch.manual_seed(0)
     layer = TemporalAttention(8, 4, 6, 8).eval()
     fast = fastopt.optimize(layer, verify=True)
-    fast(*_layer_inputs())
+    report = fast.fastopt_report
+    assert "<root>  waiting for its first call" in str(report)
+    for _ in range(3):
+        fast(*_layer_inputs())
+    (record,) = report.verifications
+    assert record.where == "<root>" and record.calls == 2  # the first VERIFY_CALLS calls
+    assert 0.0 <= record.largest < 1e-4
+    assert "2 call(s) compared: outputs within tolerance, largest absolute difference" in str(report)
 
     from fastopt.passes import lowering
 
