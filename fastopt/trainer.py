@@ -169,7 +169,8 @@ class Trainer:
                 max_graphs=self.config.passes.max_graphs)
         self.sampler = make_sampler(graph, list(getattr(model, "fanouts", [])),
                                     getattr(model, "strategy", "recent"), self.config)
-        self.loader = Loader(graph, self.sampler, self.device, self.config)
+        self.loader = Loader(graph, self.sampler, self.device, self.config,
+                             edge_rows=getattr(model, "reads_edge_rows", False))
         self.negatives = self.loader.negatives
         self.log_path = Path(log_path) if log_path else None
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None

@@ -27,7 +27,7 @@ import itertools
 import math
 import string
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -634,29 +634,57 @@ def _split_groups(linear: torch.nn.Module, parts: Sequence[Tensor]
     return _weight_groups(linear.weight, parts)
 
 
-def _weight_groups(weight: Tensor, parts: Sequence[Tensor]
+def _weight_groups(weight: Tensor, parts: Sequence[Part]
                    ) -> Optional[Tuple[List[int], List[int]]]:
     """:func:`_split_groups` of a projection by ``weight`` (any module checks done)."""
     if not default_config().passes.split_linear_inputs or not torch.is_grad_enabled():
         return None
     if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda")):
         return None
-    if any(not isinstance(p, Tensor) or p.dim() == 0 for p in parts):
+    if any(_tensor(p) is None or len(_shape(p)) == 0 for p in parts):
         return None
-    lead = parts[0].shape[:-1]
+    lead = _shape(parts[0])[:-1]
     free, grad, width = [], [], 0
     for i, p in enumerate(parts):
-        if p.shape[:-1] != lead or p.dtype != weight.dtype:
+        shape, t = _shape(p), _tensor(p)
+        if shape[:-1] != lead or t.dtype != weight.dtype:
             return None
-        width += p.shape[-1]
-        if p.shape[-1] == 0:
-            if p.requires_grad:
+        width += shape[-1]
+        if shape[-1] == 0:
+            if t.requires_grad:
                 return None
             continue
-        (grad if p.requires_grad else free).append(i)
+        (grad if t.requires_grad else free).append(i)
     if width != weight.shape[1] or not free or not grad:
         return None
     return free, grad
+
+
+# A part of a concatenation: a tensor, or ``(rows, index)`` standing for ``rows[index]`` (a
+# gather the pass handed over unevaluated, so that a projection can run on the rows).
+Part = Union[Tensor, Tuple[Tensor, Tensor]]
+
+
+def _is_rows(p: Part) -> bool:
+    return isinstance(p, tuple)
+
+
+def _tensor(p: Part) -> Optional[Tensor]:
+    """The tensor holding a part's values (the rows of a gathered part), or None if not one."""
+    t = p[0] if _is_rows(p) else p
+    return t if isinstance(t, Tensor) else None
+
+
+def _shape(p: Part) -> tuple:
+    """The shape of the part's value (``(*index.shape, width)`` for a gathered part)."""
+    return (*p[1].shape, *p[0].shape[1:]) if _is_rows(p) else tuple(p.shape)
+
+
+def _gathered(parts: Sequence[Part], keep: Sequence[int] = ()) -> Tuple[Part, ...]:
+    """``parts`` with each ``(rows, index)`` evaluated to ``rows[index]``, except those at ``keep``
+    whose rows are fewer than the slots they fill (projecting the rows first is then cheaper)."""
+    return tuple(p if i in keep and _is_rows(p) and p[0].shape[0] < p[1].numel()
+                 else (p[0][p[1]] if _is_rows(p) else p) for i, p in enumerate(parts))
 
 
 def linear_over_parts(linear: torch.nn.Linear, *parts: Tensor, site: str = "") -> Tensor:
@@ -670,11 +698,18 @@ def linear_over_parts(linear: torch.nn.Linear, *parts: Tensor, site: str = "") -
     """
     groups = _split_groups(linear, parts)
     if groups is None:
-        x = torch.cat(parts, dim=-1)
+        x = torch.cat(_gathered(parts), dim=-1)
         if _plain_linear(linear) and _bias_grad(linear.bias) == "column_sum":
             return _projection(x, linear.weight, linear.bias)
         return linear(x)
-    return _product_over_parts(linear.weight, linear.bias, parts, groups, site)
+    return _product_over_parts(linear.weight, linear.bias, _gathered(parts, _rows_kept(groups)),
+                               groups, site)
+
+
+def _rows_kept(groups: Tuple[List[int], List[int]]) -> Tuple[int, ...]:
+    """The gathered part projected before its gather: the free group's, when it is alone there."""
+    free, _ = groups
+    return tuple(free) if len(free) == 1 else ()
 
 
 def linears_over_parts(linears: Sequence[torch.nn.Linear], *parts: Tensor,
@@ -705,9 +740,9 @@ def _stacked_product(weights: Sequence[Tensor], linears: Sequence[torch.nn.Linea
     bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
     groups = _weight_groups(weight, parts)
     if groups is None:
-        y = _projection(torch.cat(list(parts), dim=-1), weight, bias)
+        y = _projection(torch.cat(_gathered(parts), dim=-1), weight, bias)
     else:
-        y = _product_over_parts(weight, bias, parts, groups, site)
+        y = _product_over_parts(weight, bias, _gathered(parts, _rows_kept(groups)), groups, site)
     return column_blocks(y, [linear.out_features for linear in linears])
 
 
@@ -774,7 +809,7 @@ def _siblings(linears: Sequence[torch.nn.Module], parts: Sequence[Tensor]) -> bo
                 or linear.weight.device != first.weight.device
                 or (linear.bias is None) != (first.bias is None)):
             return False
-    return all(isinstance(p, Tensor) and p.device == first.weight.device for p in parts)
+    return all(_tensor(p) is not None and _tensor(p).device == first.weight.device for p in parts)
 
 
 def _plain_linear(linear: torch.nn.Module) -> bool:
@@ -794,21 +829,26 @@ def _product_over_parts(weight: Tensor, bias: Optional[Tensor], parts: Sequence[
     free, grad = groups
     starts = [0]
     for p in parts:
-        starts.append(starts[-1] + p.shape[-1])
+        starts.append(starts[-1] + _shape(p)[-1])
 
     def group(members: List[int]) -> Tuple[Tensor, Tensor]:
         x = parts[members[0]] if len(members) == 1 else torch.cat([parts[i] for i in members], -1)
         blocks = [weight[:, starts[i]:starts[i + 1]] for i in members]
         w = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
-        return x.reshape(-1, x.shape[-1]), w
+        return (x if _is_rows(x) else x.reshape(-1, x.shape[-1])), w
 
     x_free, w_free = group(free)
     x_grad, w_grad = group(grad)
     # addmm, or generated (config.kernels.matmul_precision)
-    y = codegen.linear(x_free, w_free, bias, bias_grad=_bias_grad(bias))
+    if _is_rows(x_free):  # gathered rows (the batch's unique edges): project each row once
+        rows, index = x_free
+        y = codegen.linear(rows, w_free, bias, bias_grad=_bias_grad(bias))[index.reshape(-1)]
+        _record(site, (rows.shape[1], x_grad.shape[1], rows.shape[0], index.numel()))
+    else:
+        y = codegen.linear(x_free, w_free, bias, bias_grad=_bias_grad(bias))
+        _record(site, (x_free.shape[1], x_grad.shape[1]))
     y = codegen.linear(x_grad, w_grad, residual=y)
-    _record(site, (x_free.shape[1], x_grad.shape[1]))
-    return y.view(*parts[0].shape[:-1], weight.shape[0])
+    return y.view(*_shape(parts[0])[:-1], weight.shape[0])
 
 
 def _bias_grad(bias: Optional[Tensor]) -> str:

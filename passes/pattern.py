@@ -27,6 +27,7 @@ __all__ = [
     "Match",
     "RewritePass",
     "call",
+    "gather_of",
     "literal",
     "same_value",
     "single_user",
@@ -54,6 +55,16 @@ def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
+
+
+def gather_of(node: Any) -> Optional[Tuple[fx.Node, fx.Node]]:
+    """``(table, index)`` if ``node`` gathers rows of a table by a tensor index (``table[index]``
+    or ``table.index_select(0, index)``), else None."""
+    if call(node, (operator.getitem,)) and isinstance(node.args[1], fx.Node):
+        return node.args[0], node.args[1]
+    if call(node, (torch.index_select,), ("index_select",)) and arg(node, 1, "dim") == 0:
+        return node.args[0], arg(node, 2, "index")
+    return None
 
 
 def literal(value: Any) -> bool:

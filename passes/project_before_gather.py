@@ -18,25 +18,14 @@ dense neighbor tensors in the reference models).
 
 from __future__ import annotations
 
-import operator
 from typing import List, Optional
 
-import torch
 from torch import fx, nn
 
 from fastopt.passes import lowering
-from fastopt.passes.pattern import Match, RewritePass, arg, call, module_of
+from fastopt.passes.pattern import Match, RewritePass, gather_of, module_of
 
 __all__ = ["ProjectBeforeGather"]
-
-
-def _gather(node):
-    """``(table, index)`` if ``node`` gathers rows of a table by a tensor index, else None."""
-    if call(node, (operator.getitem,)) and isinstance(node.args[1], fx.Node):
-        return node.args[0], node.args[1]
-    if call(node, (torch.index_select,), ("index_select",)) and arg(node, 1, "dim") == 0:
-        return node.args[0], arg(node, 2, "index")
-    return None
 
 
 class ProjectBeforeGather(RewritePass):
@@ -48,7 +37,7 @@ class ProjectBeforeGather(RewritePass):
         return [n for n in gm.graph.nodes if module_of(gm, n, (nn.Linear,)) is not None]
 
     def match(self, gm: fx.GraphModule, node: fx.Node) -> Optional[Match]:
-        got = _gather(node.args[0])
+        got = gather_of(node.args[0])
         if got is None or len(node.args) != 1 or node.kwargs:
             return None
         table, index = got

@@ -29,6 +29,11 @@ where every user of each projection accepts such a view (no in-place op, no ``vi
 the features with another dimension, not returned or handed to a submodule), else each is split
 on its own.
 
+A part gathered by an index (``rows[index]``, the batch's unique edge features read per slot)
+and used by the concatenation alone is passed on as the pair ``(rows, index)``: where it is the
+only part without gradient and ``rows`` has fewer rows than the index selects, the lowering
+projects the rows once and gathers the projected rows (the projection commutes with the gather).
+
 Order: after the attention passes (their matches read the projections, not the concatenation).
 """
 
@@ -43,7 +48,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fastopt.passes import lowering
-from fastopt.passes.pattern import (_SITES, Match, RewritePass, arg, call, module_of,
+from fastopt.passes.pattern import (_SITES, Match, RewritePass, arg, call, gather_of, module_of,
                                     writes_in_place)
 
 __all__ = ["SplitLinearInputs"]
@@ -70,13 +75,16 @@ class SplitLinearInputs(RewritePass):
         dim = arg(cat, 1, "dim", cat.kwargs.get("axis", 0))
         if dim != -1:
             return f"concatenation along dim {dim!r}; splitting needs the features dim, -1"
+        gathers = [p for p in parts if len(p.users) == 1 and gather_of(p) is not None]
+        parts = [gather_of(p) if p in gathers else p for p in parts]  # (rows, index) pairs
         siblings = _siblings(gm, node, cat)
         if len(siblings) > 1:
-            return _Siblings(anchor=node, output=node, nodes=[*siblings, cat],
+            return _Siblings(anchor=node, output=node, nodes=[*siblings, cat, *gathers],
                              target=lowering.linears_over_parts, args=tuple(parts), kwargs={},
                              op="linears_over_parts", siblings=siblings,
                              pattern=f"{len(siblings)} x Linear(cat([{len(parts)} parts], -1))")
-        return Match(anchor=node, output=node, nodes=[node, cat], target=lowering.linear_over_parts,
+        return Match(anchor=node, output=node, nodes=[node, cat, *gathers],
+                     target=lowering.linear_over_parts,
                      args=(("module", node.target), *parts), kwargs={}, op="linear_over_parts",
                      pattern=f"Linear(cat([{len(parts)} parts], -1))")
 

@@ -11,6 +11,12 @@ captured CUDA graph sees few distinct shapes) and ``node_inverse`` (for every en
 ``torch.cat(nodes)``, its row in ``unique_nodes``). A model that computes something per node
 (TGN's memory update) does it once per unique node and reads it back by index.
 
+A model that declares ``reads_edge_rows = True`` receives the edges' features the same way:
+``edge_rows`` (the batch's unique edges' rows, padded like the unique nodes) and per layer
+``edge_index[i]`` (``[M_i, k_i]`` rows of ``edge_rows``), with ``edge_feat`` left empty; a
+projection of edge features then runs once per unique edge (``fastopt.optimize`` projects before
+it gathers), not once per sampled slot.
+
 Layering: imports nothing of fastopt.
 """
 
@@ -33,6 +39,8 @@ class GraphInputs:
     ``edge_feat[i]`` (``[len(nodes[i]), k_i, d_edge]``). ``node_feat[i]`` holds the features of
     ``nodes[i]`` (zero width when the graph has none). ``unique_nodes`` / ``node_inverse``
     (optional) compress ``torch.cat(nodes)``: ``cat(nodes) == unique_nodes[node_inverse]``.
+    For models that read edge rows, ``edge_feat`` is empty and ``edge_rows[edge_index[i]]`` is
+    layer ``i``'s ``[M_i, k_i, d_edge]`` features.
     """
 
     nodes: List[torch.Tensor]
@@ -43,10 +51,22 @@ class GraphInputs:
     mask: List[torch.Tensor]
     unique_nodes: Optional[torch.Tensor] = None
     node_inverse: Optional[torch.Tensor] = None
+    edge_rows: Optional[torch.Tensor] = None
+    edge_index: Optional[List[torch.Tensor]] = None
 
     @property
     def num_roots(self) -> int:
         return int(self.nodes[0].shape[0])
+
+    def layer_edges(self, i: int):
+        """``(rows, index)`` with ``rows[index]`` layer ``i``'s ``[M_i, k_i, d_edge]`` edge
+        features: ``edge_rows`` and ``edge_index[i]`` where the loader sent rows, else the
+        per-slot features as rows (the index then counts them in order)."""
+        if self.edge_rows is not None:
+            return self.edge_rows, self.edge_index[i]
+        feat = self.edge_feat[i]
+        index = torch.arange(feat.shape[0] * feat.shape[1], device=feat.device).view(feat.shape[:2])
+        return feat.reshape(-1, feat.shape[-1]), index
 
 
 def bucket(n: int, minimum: int = 256) -> int:

@@ -194,8 +194,10 @@ class Loader:
         config: the whole configuration (``train``, ``pipeline``, ``cache``, ``sampler`` groups).
     """
 
-    def __init__(self, graph, sampler, device: torch.device, config: Config) -> None:
+    def __init__(self, graph, sampler, device: torch.device, config: Config, *,
+                 edge_rows: bool = False) -> None:
         self.graph, self.sampler, self.config = graph, sampler, config
+        self.edge_rows = bool(edge_rows)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.negatives = NegativeSampler(graph.destination_pool(), config.train.seed)
@@ -212,6 +214,7 @@ class Loader:
             self.cache = SlimCache({"edge": CacheTable(self.edge_table)}, self.device, config.cache)
         self.bytes_h2d = 0  # bytes copied host -> device since construction
         self.unique_rows = 0  # padded length of the unique nodes: only grows (see _pad_unique)
+        self.unique_edge_rows = 0  # the same for the unique edges of models that read edge rows
 
     def bytes_moved(self) -> int:
         """Bytes copied host -> device so far: staged batches and the cache's misses."""
@@ -281,6 +284,26 @@ class Loader:
         self.unique_rows = max(self.unique_rows, bucket(n))
         return self.unique_rows
 
+    def _pad_unique_edges(self, n: int) -> int:
+        """:meth:`_pad_unique` for the batch's unique edges (their own high-water length)."""
+        if not self.cuda:
+            return n
+        self.unique_edge_rows = max(self.unique_edge_rows, bucket(n))
+        return self.unique_edge_rows
+
+    def _unique_edge_ids(self, batch: EventBatch, ints: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        """The batch's unique edge ids (padded, ``-1`` as edge 0) and, in ``ints``, the inverse over
+        every layer's slots; None where the sampler computed none (``sampler.dedup`` off)."""
+        u = batch.sampled.unique_eids
+        if u is None:
+            return None
+        ids = u.values.clamp(min=0)
+        padded = self._pad_unique_edges(ids.numel())
+        if padded > ids.numel():
+            ids = torch.cat([ids, ids.new_zeros(padded - ids.numel())])
+        ints["edge_inverse"] = u.inverse.reshape(-1)
+        return ids
+
     # ------------------------------------------------------------------------ staging
     def stage(self, batch: EventBatch, roots: Optional[np.ndarray] = None,
               times: Optional[np.ndarray] = None) -> _Staged:
@@ -310,6 +333,10 @@ class Loader:
         ints["unique_nodes"] = values
         ints["node_inverse"] = unique.inverse.reshape(-1)
         staged = _Staged(batch, len(blocks))
+        if self.edge_rows and blocks and self.placement == "device" and self.edge_table is not None:
+            ids = self._unique_edge_ids(batch, ints)
+            if ids is not None:
+                ints["edge_unique"] = ids
         host_feats = self._host_features(batch, blocks, ints, staged)
         self._upload(staged, {"i64": ints, "f64": floats64, "f32": floats32, "bool": bools,
                               **host_feats})
@@ -328,10 +355,8 @@ class Loader:
             if blocks:
                 if self.cache is not None:
                     staged.pending = self.cache.stage("edge", unique=batch.sampled.unique_eids)
-                elif self.dedup:
-                    u = batch.sampled.unique_eids
-                    rows["edge_rows"] = self._gather_host(self.edge_table, u.values.clamp(min=0))
-                    ints["edge_inverse"] = u.inverse.reshape(-1)
+                elif self.dedup and (ids := self._unique_edge_ids(batch, ints)) is not None:
+                    rows["edge_rows"] = self._gather_host(self.edge_table, ids)
                 else:
                     eids = torch.cat([ints[f"eid{i}"].reshape(-1) for i in range(len(blocks))])
                     rows["edge_rows"] = self._gather_host(self.edge_table, eids.clamp(min=0))
@@ -378,7 +403,10 @@ class Loader:
         if self.node_table is not None:
             t["node_feat"] = [self.node_table[n.clamp(min=0)] for n in sets]
         if self.edge_table is not None:
-            t["edge_feat"] = [self.edge_table[t[f"eid{i}"].clamp(min=0)] for i in range(staged.layers)]
+            if "edge_unique" in t:
+                t["edge_rows"] = self.edge_table[t["edge_unique"]]
+            else:
+                t["edge_feat"] = [self.edge_table[t[f"eid{i}"].clamp(min=0)] for i in range(staged.layers)]
             t["event_rows"] = self.edge_table[batch.start:batch.stop]
 
     def finish(self, staged: _Staged) -> EventBatch:
@@ -400,14 +428,20 @@ class Loader:
         node_feat = t.get("node_feat")
         if node_feat is None:
             node_feat = self._expand_nodes(t, nodes)
-        edge_feat = t.get("edge_feat")
-        if edge_feat is None:
-            edge_feat = self._expand_edges(staged, layers)
+        edge_rows = edge_index = None
+        if self.edge_rows:
+            edge_feat = []
+            edge_rows, edge_index = self._edge_rows(staged, layers)
+        else:
+            edge_feat = t.get("edge_feat")
+            if edge_feat is None:
+                edge_feat = self._expand_edges(staged, layers)
         batch.event_feat = t.get("event_rows")
         if batch.event_feat is None:
             batch.event_feat = torch.zeros(batch.size, 0, device=self.device)
         batch.inputs = GraphInputs(nodes, times, node_feat, edge_feat, dt, mask,
-                                   unique_nodes=t["unique_nodes"], node_inverse=t["node_inverse"])
+                                   unique_nodes=t["unique_nodes"], node_inverse=t["node_inverse"],
+                                   edge_rows=edge_rows, edge_index=edge_index)
         return batch
 
     def _expand_nodes(self, t, nodes: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -416,18 +450,36 @@ class Loader:
         return list(torch.split(t["node_rows"], [n.shape[0] for n in nodes]))
 
     def _expand_edges(self, staged: _Staged, layers: int) -> List[torch.Tensor]:
+        """Every layer's edge features per slot, ``[M_i, k_i, d]``."""
+        shapes = [staged.tensors[f"eid{i}"].shape for i in range(layers)]
+        rows, index = self._edge_table_and_index(staged, layers)
+        flat = rows if index is None else rows[index]
+        return [piece.view(*s, -1) for piece, s in zip(torch.split(flat, [s.numel() for s in shapes]), shapes)]
+
+    def _edge_rows(self, staged: _Staged, layers: int):
+        """The batch's edge feature rows and each layer's ``[M_i, k_i]`` index into them
+        (``GraphInputs.edge_rows`` / ``edge_index``): the unique rows where the sampler
+        deduplicated the edges, else one row per slot."""
+        shapes = [staged.tensors[f"eid{i}"].shape for i in range(layers)]
+        rows, index = self._edge_table_and_index(staged, layers)
+        if index is None:
+            index = torch.arange(rows.shape[0], device=rows.device)
+        pieces = torch.split(index, [s.numel() for s in shapes])
+        return rows, [piece.view(s) for piece, s in zip(pieces, shapes)]
+
+    def _edge_table_and_index(self, staged: _Staged, layers: int):
+        """``(rows, index)`` with ``rows[index]`` (or ``rows`` when index is None) the edge
+        features of every layer's slots, flattened in layer order."""
         t = staged.tensors
-        shapes = [t[f"eid{i}"].shape for i in range(layers)]
         if staged.pending is not None:
             rows = self.cache.finish(staged.pending)
-            flat = rows.expand().reshape(-1, rows.rows.shape[-1])
-        elif "edge_rows" not in t:
-            return [torch.zeros(*s, 0, device=self.device) for s in shapes]
-        elif "edge_inverse" in t:
-            flat = t["edge_rows"][t["edge_inverse"]]
-        else:
-            flat = t["edge_rows"]
-        return [piece.view(*s, -1) for piece, s in zip(torch.split(flat, [s.numel() for s in shapes]), shapes)]
+            return rows.expand().reshape(-1, rows.rows.shape[-1]), None
+        if "edge_rows" not in t:
+            if "edge_feat" in t:
+                return torch.cat([f.reshape(-1, f.shape[-1]) for f in t["edge_feat"]]), None
+            count = sum(t[f"eid{i}"].numel() for i in range(layers))
+            return torch.zeros(count, 0, device=self.device), None
+        return t["edge_rows"], t.get("edge_inverse")
 
 
 class EpochStream:

@@ -24,6 +24,8 @@ class TGNNModel(nn.Module):
 
     fanouts: List[int] = []
     strategy: str = "recent"
+    # Layers take each layer's edge features as (unique rows, [M, k] index) instead of per slot.
+    reads_edge_rows: bool = False
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -38,12 +40,16 @@ class TGNNModel(nn.Module):
         """Run ``self.layers`` over node sets ``S_0..S_L``: ``h^j(S_i) = layer_j(h^{j-1}(S_i), h^{j-1}(S_{i+1}))``.
 
         ``h[i]`` holds the layer-0 representation of ``inputs.nodes[i]``; returns ``h^L(S_0)``.
+        With :attr:`reads_edge_rows` each layer also gets ``(edge rows, index)`` in place of the
+        per-slot edge features (:meth:`GraphInputs.layer_edges`).
         """
         num_layers = len(self.fanouts)
+        edges = [inputs.layer_edges(i) if self.reads_edge_rows else (inputs.edge_feat[i],)
+                 for i in range(num_layers)]
         for j, layer in enumerate(self.layers):
             h = [
-                layer(h[i], h[i + 1].view(h[i].shape[0], self.fanouts[i], -1), inputs.edge_feat[i],
-                      inputs.dt[i], inputs.mask[i])
+                layer(h[i], h[i + 1].view(h[i].shape[0], self.fanouts[i], -1), edges[i][0],
+                      inputs.dt[i], inputs.mask[i], *edges[i][1:])
                 for i in range(num_layers - j)
             ]
         return h[0]

@@ -56,13 +56,17 @@ class TemporalAttention(nn.Module):
 
     Shapes: ``h_dst [M, d_node]``, ``h_nbr [M, k, d_node]``, ``edge_feat [M, k, d_edge]``,
     ``dt [M, k]``, ``mask [M, k]`` (bool) -> ``[M, d_out]``. Neighbors may have their own width
-    ``nbr_dim`` (default ``node_dim``).
+    ``nbr_dim`` (default ``node_dim``). With ``edge_rows=True`` the layer takes ``edge_feat`` as a
+    table of rows ``[E, d_edge]`` and a sixth argument ``edge_index [M, k]`` selecting each slot's
+    row (the batch's unique edges, each projected once after :func:`fastopt.optimize`).
     """
 
     def __init__(self, node_dim: int, edge_dim: int, time_dim: int, out_dim: int,
-                 num_heads: int = 2, dropout: float = 0.1, nbr_dim: Optional[int] = None) -> None:
+                 num_heads: int = 2, dropout: float = 0.1, nbr_dim: Optional[int] = None,
+                 edge_rows: bool = False) -> None:
         super().__init__()
         nbr_dim = node_dim if nbr_dim is None else nbr_dim
+        self.edge_rows = edge_rows
         if out_dim % num_heads:
             raise ModelError(f"attention width {out_dim} does not divide into {num_heads} heads; "
                              f"{_HEADS_FIX}")
@@ -78,7 +82,9 @@ class TemporalAttention(nn.Module):
         self.att_dropout = nn.Dropout(dropout)
         self.norm = nn.LayerNorm(out_dim)
 
-    def forward(self, h_dst, h_nbr, edge_feat, dt, mask):
+    def forward(self, h_dst, h_nbr, edge_feat, dt, mask, edge_index=None):
+        if self.edge_rows:
+            edge_feat = edge_feat[edge_index]
         m, k = dt.shape
         zero_t = self.time_enc(torch.zeros_like(dt[:, 0]))
         q = self.w_q(torch.cat([h_dst, zero_t], dim=-1)).view(m, 1, self.num_heads, self.head_dim)

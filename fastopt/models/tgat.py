@@ -18,13 +18,15 @@ class TGAT(TGNNModel):
     """
 
     strategy = "uniform"
+    reads_edge_rows = True  # layer i projects the batch's unique edges, not every sampled slot
 
     def __init__(self, node_dim: int, edge_dim: int, dim: int = 100, time_dim: int = 100,
                  num_heads: int = 2, fanouts=(10, 10), dropout: float = 0.1) -> None:
         super().__init__(dim)
         self.fanouts = list(fanouts)
         self.layers = nn.ModuleList(
-            TemporalAttention(node_dim if j == 0 else dim, edge_dim, time_dim, dim, num_heads, dropout)
+            TemporalAttention(node_dim if j == 0 else dim, edge_dim, time_dim, dim, num_heads, dropout,
+                              edge_rows=True)
             for j in range(len(self.fanouts))
         )
 

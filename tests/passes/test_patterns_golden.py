@@ -250,6 +250,47 @@ class KeysValuesAttended(KeysValuesOverParts):
         return (key * value).sum(-1).softmax(1)
 
 
+class KeysValuesOfRows(KeysValuesOverParts):
+    """The edge part read per slot from a table of rows by an index (the batch's unique edges)."""
+
+    def forward(self, h, rows, index, dt):
+        kv_in = torch.cat([h, rows[index], torch.cos(self.enc(dt))], dim=-1)
+        key = self.w_k(kv_in).view(M, K, 2, 2)
+        value = self.w_v(kv_in).view(M, K, 2, 2)
+        return (key * value).sum(-1).softmax(1)
+
+
+@pytest.mark.parametrize("table_rows,rows_need_grad", [(5, False), (100, False), (5, True)])
+def test_a_gathered_part_is_projected_before_its_gather(table_rows, rows_need_grad):
+    """rows[index] inside the concatenation reaches the lowering as (rows, index): projected once
+    per row when it is the part without gradient and the table is the smaller, else gathered first;
+    the same values and gradients either way."""
+    torch.manual_seed(0)
+    before = KeysValuesOfRows().double()
+    p = SplitLinearInputs()
+    gm, modified = p(trace(before, training=False))
+    assert modified and p.matches == 1
+    (merged,) = _sibling_calls(gm)
+    assert isinstance(merged.args[2], tuple)  # (rows, index), not a gathered tensor
+    assert not [n for n in gm.graph.nodes if n.target is operator.getitem and n.args[0].op == "placeholder"]
+    h = torch.randn(M, K, 2, dtype=torch.float64, requires_grad=True)
+    rows = torch.randn(table_rows, 5, dtype=torch.float64, requires_grad=rows_need_grad)
+    index = torch.randint(0, table_rows, (M, K))
+    dt = torch.rand(M, K, 1, dtype=torch.float64)
+    params = [h] + ([rows] if rows_need_grad else []) + list(before.parameters())
+    lowering._SITE_SHAPES.clear()
+    ref, got = before(h, rows, index, dt), gm(h, rows, index, dt)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    weights = torch.randn_like(ref)
+    want = torch.autograd.grad((weights * ref).sum(), params)
+    have = torch.autograd.grad((weights * got).sum(), params)
+    for a, b in zip(want, have):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    projected_first = table_rows < M * K and not rows_need_grad
+    shapes = list(lowering._SITE_SHAPES.values())  # (widths, rows, slots) where projected first
+    assert any(shape[2:] == (table_rows, M * K) for shape in shapes) == projected_first
+
+
 def _sibling_calls(gm):
     return [n for n in gm.graph.nodes if n.op == "call_function"
             and n.target is lowering.linears_over_parts]

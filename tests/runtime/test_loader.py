@@ -60,6 +60,44 @@ def test_every_path_gives_the_reference_inputs_bitwise(small_graph, placement, d
             np.testing.assert_array_equal(batch.event_feat.numpy(), small_graph.edge_feat[batch.start:batch.stop])
 
 
+@pytest.mark.parametrize("placement,dedup", [("device", True), ("host", True), ("host", False)])
+def test_edge_rows_select_the_reference_features_bitwise(small_graph, placement, dedup):
+    """A model that reads edge rows gets the batch's unique edges once (with dedup) and an index
+    that rebuilds every slot's features exactly."""
+    cfg = config(cache__placement=placement, sampler__dedup=dedup)
+    fanouts = [3, 2]
+    loader = Loader(small_graph, NumpySampler(small_graph, fanouts, "uniform", seed=5), torch.device("cpu"),
+                    cfg, edge_rows=True)
+    oracle = NumpySampler(small_graph, fanouts, "uniform", seed=5)
+    with loader.epoch("train", 0) as batches:
+        for batch in batches:
+            got, want = batch.inputs, reference_inputs(small_graph, oracle, batch.roots, batch.times)
+            assert got.edge_feat == [] and len(got.edge_index) == len(fanouts)
+            for i, feat in enumerate(want.edge_feat):
+                rows, index = got.layer_edges(i)
+                assert index.shape == feat.shape[:2] and torch.equal(rows[index], feat), (i, batch.index)
+            slots = sum(f.shape[0] * f.shape[1] for f in want.edge_feat)
+            if dedup:  # one row per distinct edge, plus edge 0's for the padded slots
+                assert got.edge_rows.shape[0] < slots
+                assert torch.unique(got.edge_rows, dim=0).shape[0] >= got.edge_rows.shape[0] - 1
+            else:
+                assert got.edge_rows.shape[0] == slots
+
+
+def test_dense_inputs_give_a_model_that_reads_edge_rows_the_same_output(small_graph):
+    """GraphInputs built per slot (no edge rows) run an edge-row model through its per-slot rows."""
+    cfg = config()
+    torch.manual_seed(0)
+    model = build_model("tgat", small_graph, **TINY["tgat"]).eval()
+    sampler = NumpySampler(small_graph, model.fanouts, "uniform", seed=5)
+    loader = Loader(small_graph, sampler, torch.device("cpu"), cfg, edge_rows=True)
+    batch = next(iter(loader.plan("train", 0)))
+    rows_inputs = loader.inputs_for(batch.roots, batch.times)
+    dense = reference_inputs(small_graph, NumpySampler(small_graph, model.fanouts, "uniform", seed=5),
+                             batch.roots, batch.times)
+    torch.testing.assert_close(model(rows_inputs), model(dense), rtol=0, atol=0)
+
+
 def test_bucket_sizes():
     assert [bucket(n) for n in (1, 256, 257, 4096, 4097, 5121)] == [256, 256, 320, 4096, 5120, 6144]
     for n in range(1, 20000, 37):
