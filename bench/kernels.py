@@ -5,7 +5,9 @@ d = 50 and 100, keys/values as rows of unique tables (U = M*K/3) addressed by an
 padded [M, K] mask (some rows empty). For each shape, forward and forward+backward are timed with
 CUDA events after warm-up (median of many runs, L2 flushed before each run), and the forward's
 minimal traffic (q, out, lse, index, mask, each table row once) is compared with a device-to-device
-copy bandwidth measured in the same run.
+copy bandwidth measured in the same run. Each shape's fused forward and both backward modes are
+checked against the eager chain (largest difference relative to the eager result's largest
+element); beyond ``--max-error`` the script exits with status 1.
 
     python bench/kernels.py --json bench/results/kernels-h200.json
 
@@ -50,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="skip the graph-replay timing (device time without host launch gaps)")
     parser.add_argument("--graph-reps", type=int, default=20,
                         help="calls captured per CUDA graph in the graph-replay timing")
+    parser.add_argument("--max-error", type=float, default=1e-4,
+                        help="largest error of the fused forward or gradients relative to the "
+                             "eager chain's largest element; beyond it the run fails")
     parser.add_argument("--profile", action="store_true",
                         help="print the device time of each kernel of the fused forward+backward "
                              "(torch.profiler) for the first shape, to split host from device time")
@@ -83,9 +88,15 @@ def eager_chain(q, k_table, v_table, index, mask, scale: float):
     return torch.einsum("mhk,mkhd->mhd", weights, v)
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max|got - want| / max|want|`` (NaN anywhere counts as infinitely wrong)."""
+    error = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    return error if math.isfinite(error) else math.inf
+
+
 def gradient_errors(q, k, v, index, mask, scale: float, grad) -> Dict[str, float]:
-    """Largest ``|fused - eager| / max|eager|`` of dq, dk, dv per backward mode (the benchmark's
-    own correctness check at its sizes, where table sizes pick the sort-key width)."""
+    """Largest :func:`relative_error` of dq, dk, dv per backward mode (the benchmark's own
+    correctness check at its sizes, where table sizes pick the sort-key width)."""
     import fastopt.config as fconfig
 
     want = torch.autograd.grad(eager_chain(q, k, v, index, mask, scale), (q, k, v), grad)
@@ -93,9 +104,17 @@ def gradient_errors(q, k, v, index, mask, scale: float, grad) -> Dict[str, float
     for mode in ("deterministic", "atomic"):
         with fconfig.patch(kernels__backward_mode=mode):
             got = torch.autograd.grad(fused(q, k, v, index, mask, scale), (q, k, v), grad)
-        errors[mode] = max(float((g - w).abs().max() / w.abs().max().clamp_min(1e-30))
-                           for g, w in zip(got, want))
+        errors[mode] = max(relative_error(g, w) for g, w in zip(got, want))
     return errors
+
+
+def accuracy_failures(result: Dict[str, object], max_error: float) -> List[str]:
+    """What of one shape's recorded errors exceeds ``max_error`` (empty: the kernels are right)."""
+    where = f"M={result['M']} d={result['d']}"
+    errors = {"forward": result["fwd_rel_error"],
+              **{f"{mode} backward": e for mode, e in result["grad_rel_error"].items()}}
+    return [f"{where}: {what} relative error {error:.3g} exceeds {max_error:g}"
+            for what, error in errors.items() if not error <= max_error]
 
 
 def fused(q, k_table, v_table, index, mask, scale: float):
@@ -192,16 +211,24 @@ def forward_bytes(rows: int, slots: int, heads: int, dim: int, table_rows: int,
     return qo + lse + index_mask + tables
 
 
-def make_inputs(rows: int, slots: int, heads: int, dim: int, seed: int = 0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def make_inputs(rows: int, slots: int, heads: int, dim: int, seed: int = 0, device: str = "cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
     table_rows = rows * slots // 3
-    q = torch.randn(rows, heads, dim, device="cuda", generator=gen, requires_grad=True)
-    k = torch.randn(table_rows, heads, dim, device="cuda", generator=gen, requires_grad=True)
-    v = torch.randn(table_rows, heads, dim, device="cuda", generator=gen, requires_grad=True)
-    index = torch.randint(0, table_rows, (rows, slots), device="cuda", generator=gen)
-    counts = torch.randint(0, slots + 1, (rows,), device="cuda", generator=gen)
-    mask = torch.arange(slots, device="cuda")[None, :] < counts[:, None]
+    q = torch.randn(rows, heads, dim, device=device, generator=gen, requires_grad=True)
+    k = torch.randn(table_rows, heads, dim, device=device, generator=gen, requires_grad=True)
+    v = torch.randn(table_rows, heads, dim, device=device, generator=gen, requires_grad=True)
+    index = torch.randint(0, table_rows, (rows, slots), device=device, generator=gen)
+    counts = torch.randint(0, slots + 1, (rows,), device=device, generator=gen)
+    mask = torch.arange(slots, device=device)[None, :] < counts[:, None]
     return q, k, v, index, mask, table_rows
+
+
+def accuracy(q, k, v, index, mask, scale: float, grad) -> Dict[str, object]:
+    """The fused op against the eager chain: forward (absolute and relative) and gradient errors."""
+    with torch.no_grad():
+        want, got = eager_chain(q, k, v, index, mask, scale), fused(q, k, v, index, mask, scale)
+    return {"max_abs_diff": float((want - got).abs().max()), "fwd_rel_error": relative_error(got, want),
+            "grad_rel_error": gradient_errors(q, k, v, index, mask, scale, grad)}
 
 
 def run_shape(timer: Timer, rows: int, slots: int, heads: int, dim: int, compile_baseline: bool,
@@ -231,10 +258,7 @@ def run_shape(timer: Timer, rows: int, slots: int, heads: int, dim: int, compile
                 if mode == "deterministic":
                     result["fused_fwd_ms"] = timer(lambda: forward(fused))
                 result[f"{name}_fwdbwd_ms"] = timer(lambda: forward_backward(fused))
-        reference_out = forward(eager_chain)
-        fused_out = forward(fused)
-        result["max_abs_diff"] = float((reference_out - fused_out).abs().max())
-        result["grad_rel_error"] = gradient_errors(q, k, v, index, mask, scale, grad)
+        result.update(accuracy(q, k, v, index, mask, scale, grad))
         result["mappings"] = []
         for text in mappings:
             knobs = parse_mapping(text)
@@ -425,13 +449,37 @@ def print_table(rows: List[Dict[str, object]], bandwidth: float) -> None:
                   f" ms, fused f+b {entry['fused_fwdbwd_ms']:.4f} ms")
 
 
+def record_run(args, **fields) -> Dict[str, object]:
+    """The JSON record: date, GPU, versions, commit, command and settings, then ``fields``."""
+    import triton
+
+    from fastopt.codegen import kernels as codegen_kernels
+
+    resources = codegen_kernels.compiled_resources()
+    print_resources(resources)
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(0),
+        "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": sys.version.split()[0],
+        "commit": git_commit(),
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "l2_flushed": not args.no_flush,
+        "max_error": args.max_error,
+        **fields,
+        "compiled_kernels": resources,
+    }
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU (none found); nothing was measured.")
         return 0
-    import triton
-
     timer = Timer(args.warmup, args.iters, flush=not args.no_flush)
     bandwidth = copy_bandwidth(timer)
     # extra mappings are timed by graph replay when it runs (device time is what they change)
@@ -440,6 +488,7 @@ def main(argv=None) -> int:
                          wall_mappings)
                for d in args.dims for m in args.rows]
     print_table(results, bandwidth)
+    failures = [f for r in results for f in accuracy_failures(r, args.max_error)]
     graph_results = []
     if not args.no_graph:
         gtimer = GraphTimer(args.warmup, max(10, args.iters // 5), args.graph_reps)
@@ -451,33 +500,17 @@ def main(argv=None) -> int:
     if args.profile:
         for d in args.dims:
             profile_fused(args.rows[0], args.slots, args.heads, d)
-    from fastopt.codegen import kernels as codegen_kernels
-
-    resources = codegen_kernels.compiled_resources()
-    print_resources(resources)
-    record = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(0),
-        "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": sys.version.split()[0],
-        "commit": git_commit(),
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "copy_bandwidth_bytes_per_s": bandwidth,
-        "warmup": args.warmup,
-        "iters": args.iters,
-        "l2_flushed": not args.no_flush,
-        "results": results,
-        "graph_replay": {"calls_per_graph": args.graph_reps, "results": graph_results},
-        "compiled_kernels": resources,
-    }
+    record = record_run(args, copy_bandwidth_bytes_per_s=bandwidth, accuracy_failures=failures,
+                        results=results,
+                        graph_replay={"calls_per_graph": args.graph_reps, "results": graph_results})
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as handle:
             json.dump(record, handle, indent=2)
         print(f"wrote {args.json}")
-    return 0
+    for failure in failures:
+        print(f"WRONG RESULT: {failure}")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -14,8 +14,11 @@ TGAT, width 100, 2 heads, 172 edge features as in Wikipedia/Reddit. Each step is
 events after warm-up, gradients set to None before it (untimed, as a training loop's
 ``zero_grad()``); the median is reported. The eager and fastopt columns take their timed steps in
 ``--rounds`` interleaved rounds (a drift of the machine during the run reaches them alike); the
-``torch.compile`` columns follow, one at a time. Prints a table and writes JSON with the date, GPU,
-versions, git commit and the exact command::
+``torch.compile`` columns follow, one at a time. After its timed steps (its CUDA graphs captured)
+every column is checked against the eager model (:func:`fastopt.benchmark.verify_against_eager`:
+outputs and parameter gradients in eval mode, against the eager model run in float64); a column
+that fails is reported without a time or speedup, and the script exits with status 1. Prints a
+table and writes JSON with the date, GPU, versions, git commit and the exact command::
 
     python bench/optimize.py --json bench/results/optimize_h200.json
 """
@@ -32,6 +35,8 @@ import torch
 
 import fastopt
 from _meta import write_record
+from fastopt.benchmark import verify_against_eager
+from fastopt.errors import FastOptError
 from fastopt.models import APAN, JODIE, TGAT, TGN, GraphInputs
 
 
@@ -139,6 +144,31 @@ def _times(columns, inputs, warmup: int, iters: int, rounds: int = 1, params=())
     return results
 
 
+def verify_columns(columns, model, inputs, timed: dict) -> dict:
+    """Check each timed column of ``columns`` (``{name: (fn, before)}``) against ``model``, eager.
+
+    Runs after the column's timed steps, so that a column replaying CUDA graphs is checked through
+    them. Returns ``{name: verdict}``; a verdict starting with ``"FAILED"`` is a wrong result. A
+    column whose check raises anything else lands in ``timed`` as that exception (its time is not
+    reported: it could not be shown right).
+    """
+    verdicts = {}
+    for name, (fn, before) in columns.items():
+        if fn is model or isinstance(timed.get(name), Exception):
+            continue
+        if before:
+            before()
+        try:
+            ratio = verify_against_eager(fn, model, inputs)
+        except FastOptError as exc:
+            verdicts[name] = f"FAILED: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a column that cannot run the check is reported
+            timed[name] = exc
+        else:
+            verdicts[name] = f"outputs+grads within {ratio:.2f}x max(1e-4, eager float32's error)"
+    return verdicts
+
+
 def _models(num_nodes: int, edge_dim: int):
     return {
         "tgn": lambda: TGN(num_nodes, 0, edge_dim),
@@ -183,10 +213,10 @@ def main(argv=None) -> int:
     device = cuda_device("bench/optimize.py")
     if device is None:
         return 0
-    rows = []
+    rows, wrong = [], []
     for name in args.models.split(","):
         model, inputs = model_and_inputs(name, args, device)
-        fast = fastopt.optimize(model, verify=True)
+        fast = fastopt.optimize(model)
         plain = fastopt.optimize(model, config={"passes": {"cuda_graphs": "off"}})
         unsplit = fastopt.optimize(model, config={"passes": {"split_linear_inputs": False}})
         unmerged = fastopt.optimize(model, config={"passes": {"merge_sibling_linears": False}})
@@ -198,14 +228,13 @@ def main(argv=None) -> int:
                             for r in fast.fastopt_report.rewrites]}
         # eager and the fastopt columns interleaved; then torch.compile, one mode at a time: its
         # caches must not see (or touch) the other columns' calls
-        timed = _times({"eager_ms": (model, None), "fastopt_nographs_ms": (plain, None),
-                        "fastopt_nosplit_ms": (unsplit, None),
-                        "fastopt_nomerge_ms": (unmerged, None),
-                        "fastopt_notimeenc_ms": (time_unfused, None),
-                        "fastopt_torchbias_ms": (torch_bias, None),
-                        "fastopt_factor_ms": (factored, None),
-                        "fastopt_ms": (fast, None)},
-                       inputs, args.warmup, args.iters, args.rounds, model.parameters())
+        columns = {"eager_ms": (model, None), "fastopt_nographs_ms": (plain, None),
+                   "fastopt_nosplit_ms": (unsplit, None), "fastopt_nomerge_ms": (unmerged, None),
+                   "fastopt_notimeenc_ms": (time_unfused, None),
+                   "fastopt_torchbias_ms": (torch_bias, None),
+                   "fastopt_factor_ms": (factored, None), "fastopt_ms": (fast, None)}
+        timed = _times(columns, inputs, args.warmup, args.iters, args.rounds, model.parameters())
+        verdicts = verify_columns(columns, model, inputs, timed)
         if not args.no_compile:
             for column, mode, before in (("compile_ms", "default", None),
                                          ("compile_ro_ms", "reduce-overhead", _step_begin)):
@@ -215,13 +244,19 @@ def main(argv=None) -> int:
                 except Exception as exc:  # noqa: BLE001 - a failed column is reported
                     timed[column] = exc
                     continue
-                timed.update(_times({column: (compiled, before)}, inputs, args.warmup,
-                                    args.iters, 1, model.parameters()))
+                compiled_column = {column: (compiled, before)}
+                timed.update(_times(compiled_column, inputs, args.warmup, args.iters, 1,
+                                    model.parameters()))
+                verdicts.update(verify_columns(compiled_column, model, inputs, timed))
                 torch._dynamo.reset()
+        row["verified"] = verdicts
         for column, value in timed.items():
             if isinstance(value, Exception):
                 row[column] = None
                 row.setdefault("errors", {})[column] = f"{type(value).__name__}: {value}"[:500]
+            elif verdicts.get(column, "").startswith("FAILED"):
+                row[column] = None  # a wrong result has no time worth reporting
+                wrong.append(f"{name} {column}: {verdicts[column]}")
             else:
                 row[column] = value
         report = fast.fastopt_report
@@ -260,7 +295,9 @@ def main(argv=None) -> int:
             print(f"    failed: {err[0]}: {err[1]}")
     if args.json:
         print(f"wrote {args.json}")
-    return 0
+    for line in wrong:
+        print(f"WRONG RESULT: {line}")
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ roots and every valid sampled neighbor node. Reported per table:
 * hit rate over unique rows against the offline Belady optimum of the same stream;
 * for read-write memory, whether the host copy after the epoch equals an all-on-device run (the
   same updates on one plain tensor on ``--device``; float32 ``tanh`` differs in the last bits
-  between the CPU and CUDA, so the reference must run where the cache's updates run);
+  between the CPU and CUDA, so the reference must run where the cache's updates run); a
+  mismatch is printed and the script exits with status 1;
 * with ``--device cuda``, transfer time per epoch against the naive path.
 
 ``bench/slimcache_sim.py`` recomputes the same counts with plain NumPy, independently of fastopt.
@@ -375,7 +376,14 @@ def check_targets(rows: List[dict]) -> List[dict]:
     return out
 
 
-def main(argv=None) -> None:
+def write_back_mismatches(rows: List[dict]) -> List[str]:
+    """The runs whose host copy of memory after the epoch differs from the all-on-device run."""
+    return [f"{r['dataset']} {r['stream']} budget {r['budget']:g} policy {r['policy']}: host memory "
+            f"after the epoch differs from the all-on-device run by up to {r['memory_max_abs_diff']:.3g}"
+            for r in rows if r.get("memory_equal") is False]
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--datasets", nargs="+", default=DATASETS)
@@ -402,11 +410,15 @@ def main(argv=None) -> None:
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     report = run(args)
+    report["write_back_mismatches"] = write_back_mismatches(report["results"])
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
+    for line in report["write_back_mismatches"]:
+        print(f"WRONG RESULT: {line}")
+    return 1 if report["write_back_mismatches"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

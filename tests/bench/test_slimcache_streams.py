@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,21 +11,10 @@ import torch
 from fastopt.data import TemporalGraph
 from fastopt.errors import FastOptError
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from bench_scripts import load
 
-
-def _load(name: str):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))  # the scripts import their sibling _meta
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load("slimcache")
-sim = _load("slimcache_sim")
+bench = load("slimcache")
+sim = load("slimcache_sim")
 
 
 def small_graph(seed: int = 0, n: int = 300, nodes: int = 25) -> TemporalGraph:
