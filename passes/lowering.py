@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from fastopt import codegen
 from fastopt.config import default_config
@@ -842,13 +843,35 @@ def _product_over_parts(weight: Tensor, bias: Optional[Tensor], parts: Sequence[
     # addmm, or generated (config.kernels.matmul_precision)
     if _is_rows(x_free):  # gathered rows (the batch's unique edges): project each row once
         rows, index = x_free
-        y = codegen.linear(rows, w_free, bias, bias_grad=_bias_grad(bias))[index.reshape(-1)]
+        y = _ProjectedRows.apply(rows, index.reshape(-1), w_free, bias)
         _record(site, (rows.shape[1], x_grad.shape[1], rows.shape[0], index.numel()))
     else:
         y = codegen.linear(x_free, w_free, bias, bias_grad=_bias_grad(bias))
         _record(site, (x_free.shape[1], x_grad.shape[1]))
     y = codegen.linear(x_grad, w_grad, residual=y)
     return y.view(*_shape(parts[0])[:-1], weight.shape[0])
+
+
+class _ProjectedRows(torch.autograd.Function):
+    """``F.linear(rows[index], weight, bias)`` computed as ``F.linear(rows, weight, bias)[index]``
+    for rows that need no gradient. The backward forms the weight gradient from the gathered rows
+    (``grad^T rows[index]``, the product the unsplit projection computes) rather than scattering
+    the gradient onto the rows: a scatter-add serializes on rows that many slots share (every
+    padded slot reads one row), a gather and a product do not, and the sum stays in a fixed order."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, index: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        ctx.save_for_backward(rows, index)
+        ctx.has_bias = bias is not None
+        return F.linear(rows, weight, bias)[index]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        rows, index = ctx.saved_tensors
+        grad_w = grad.t() @ rows[index] if ctx.needs_input_grad[2] else None
+        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return None, None, grad_w, grad_b
 
 
 def _bias_grad(bias: Optional[Tensor]) -> str:
