@@ -4,8 +4,6 @@ Public surface (stable signatures; the fx passes rewrite onto these):
 
 - :func:`temporal_attention` ``(q, k, v, mask=None, indptr=None, *, k_index=None, v_index=None,
   scale=None, dropout_p=0.0, seed=0)``; ``seed`` may be a device tensor (:func:`dropout_seed`)
-- :func:`time_encoded_attention` ``(q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj,
-  mask=None, indptr=None, *, k_index=None, v_index=None, scale=None, dropout_p=0.0, seed=0)``
 - :func:`shared_attention` ``(q, k, v, sq, se, mask=None, indptr=None, *, k_index=None,
   v_index=None, scale=None, dropout_p=0.0, seed=0)`` -> ``(out, shared_out)``: keys and values
   carry a feature block ``se [M, K, S]`` shared by all heads (a factored time encoding)
@@ -16,7 +14,7 @@ Public surface (stable signatures; the fx passes rewrite onto these):
   :func:`column_sum` with ``bias_grad="column_sum"``
 - :func:`column_sum` ``(x)``: ``x.sum(0)`` of a matrix, deterministic, by a generated kernel
 
-Each of the first five is a ``torch.library`` custom op (``torch.ops.fastopt.*``) with autograd and a fake
+Each of the first four is a ``torch.library`` custom op (``torch.ops.fastopt.*``) with autograd and a fake
 implementation; :mod:`fastopt.codegen.reference` holds the plain-PyTorch reference of each, which
 is the CPU path and the test oracle.
 
@@ -37,13 +35,11 @@ from fastopt.codegen.ops import (
     shared_attention,
     temporal_attention,
     time_encode,
-    time_encoded_attention,
 )
 
 __all__ = [
     "temporal_attention",
     "dropout_seed",
-    "time_encoded_attention",
     "shared_attention",
     "masked_aggregate",
     "time_encode",

@@ -197,20 +197,6 @@ def check_time_encode(dt: Tensor, w: Tensor, b: Tensor) -> None:
     _same_device(dt, w=w, b=b)
 
 
-def check_time_projection(q: Tensor, dt: Tensor, w: Tensor, b: Tensor, k_time_proj: Tensor,
-                          v_time_proj: Tensor, layout: NeighborLayout) -> None:
-    """Validate the time-encoding prologue of :func:`fastopt.codegen.time_encoded_attention`."""
-    check_time_encode(dt, w, b)
-    _same_device(q, dt=dt, w=w, k_time_proj=k_time_proj, v_time_proj=v_time_proj)
-    _shape("dt", dt, (layout.rows, layout.slots), "[M, K], one time difference per slot")
-    for name, t in (("time_w", w), ("time_b", b), ("k_time_proj", k_time_proj),
-                    ("v_time_proj", v_time_proj)):
-        _float(name, t, q.dtype)
-    width = (w.shape[0],) + tuple(q.shape[1:])
-    _shape("k_time_proj", k_time_proj, width, "[T, H, d]")
-    _shape("v_time_proj", v_time_proj, width, "[T, H, d]")
-
-
 def check_shared_block(q: Tensor, sq: Tensor, se: Tensor, layout: NeighborLayout) -> None:
     """Validate the shared feature block of :func:`fastopt.codegen.shared_attention`."""
     _is_tensor("sq", sq)

@@ -32,8 +32,6 @@ from fastopt.errors import KernelError
 __all__ = [
     "attention_forward",
     "attention_backward",
-    "time_encoded_attention_forward",
-    "time_encoded_attention_backward",
     "aggregate_forward",
     "aggregate_backward",
     "time_encode_forward",
@@ -183,7 +181,7 @@ def _dropout_args(dropout_p: float) -> Tuple[int, float]:
 
 
 def _attention_spec(q: Tensor, k: Tensor, v: Tensor, mask, indptr, k_index, v_index,
-                    dropout_p: float, time_dim: int, stage: str, seed=0) -> dict:
+                    dropout_p: float, stage: str, seed=0) -> dict:
     rows, heads, dim = q.shape
     slots = (k_index if k_index is not None else k).shape[1]
     strides = [checks.row_stride(t, index is None) for t, index in ((k, k_index), (v, v_index))]
@@ -197,21 +195,15 @@ def _attention_spec(q: Tensor, k: Tensor, v: Tensor, mask, indptr, k_index, v_in
                 dk_stride=heads * dim, dv_stride=heads * dim, dtype=_TL_DTYPES[q.dtype],
                 acc=_TL_DTYPES[_acc_dtype(q.dtype)], mask_form=_mask_form(mask, indptr),
                 k_indexed=k_index is not None, v_indexed=v_index is not None,
-                dropout=dropout_p > 0.0, dropout_bits=reference.DROPOUT_BITS, time_dim=time_dim,
+                dropout=dropout_p > 0.0, dropout_bits=reference.DROPOUT_BITS,
                 seed_in_memory=isinstance(seed, Tensor))
 
 
-def _time_args(time: Optional[Tuple[Tensor, ...]]) -> Tuple[Tensor, ...]:
-    return tuple(time) if time is not None else ()
-
-
 def _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p, seed,
-                       time: Optional[Tuple[Tensor, ...]],
                        shared: Optional[Tuple[Tensor, Tensor]] = None):
     """``(out, lse, shared_out)``; ``shared_out`` is None without a shared block ``(sq, se)``."""
     rows, heads, dim = q.shape
-    spec = _attention_spec(q, k, v, mask, indptr, k_index, v_index, dropout_p,
-                           time[1].shape[0] if time is not None else 0, "forward", seed)
+    spec = _attention_spec(q, k, v, mask, indptr, k_index, v_index, dropout_p, "forward", seed)
     if shared is not None:
         spec["shared_dim"] = shared[0].shape[-1]
     # a slot's shared-block gradient sums over heads: the shared variant keeps them together
@@ -230,7 +222,7 @@ def _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p
     threshold, drop_scale = _dropout_args(dropout_p)
     kernel.launch(kernel.cfg.tile_grid(rows, heads), q, k, v, mask_arg, indptr_arg,
                   k_index if k_index is not None else q, v_index if v_index is not None else q,
-                  *_time_args(time), *shared_args, out, lse, rows, scale, seed, threshold,
+                  *shared_args, out, lse, rows, scale, seed, threshold,
                   drop_scale)
     return out, lse, shared_out
 
@@ -247,19 +239,17 @@ def packed_blocks(k: Tensor, v: Tensor) -> bool:
 
 
 def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_index, scale,
-                        dropout_p, seed, time: Optional[Tuple[Tensor, ...]],
-                        pack: bool = False, shared: Optional[Tuple[Tensor, ...]] = None):
-    """Returns ``(dq, dk, dv, ds_coef, pd_coef, dsq, dse)``; the coefficients only with a time
-    prologue or indexed keys/values, ``dsq, dse`` only with a shared block ``shared = (sq, se,
-    shared_out, grad_shared_out)`` (else None).
+                        dropout_p, seed, pack: bool = False,
+                        shared: Optional[Tuple[Tensor, ...]] = None):
+    """Returns ``(dq, dk, dv, dsq, dse)``; ``dsq, dse`` only with a shared block ``shared = (sq,
+    se, shared_out, grad_shared_out)`` (else None).
 
     With ``pack`` and keys/values that are :func:`packed_blocks`, dk and dv are the two halves
     of one ``[M, K, 2*H*d]`` buffer (views of it, laid out as the keys and values were).
     """
     rows, heads, dim = q.shape
     mode = default_config().kernels.backward_mode
-    spec = _attention_spec(q, k, v, mask, indptr, k_index, v_index, dropout_p,
-                           time[1].shape[0] if time is not None else 0, "backward", seed)
+    spec = _attention_spec(q, k, v, mask, indptr, k_index, v_index, dropout_p, "backward", seed)
     if shared is not None:
         spec["shared_dim"] = shared[0].shape[-1]
     packed = pack and k_index is None and v_index is None and packed_blocks(k, v)
@@ -267,7 +257,8 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
         spec.update(dk_stride=2 * heads * dim, dv_stride=2 * heads * dim)
     slots = spec["K"]
     indexed = k_index is not None or v_index is not None
-    write_coef = time is not None or (indexed and mode == "deterministic")
+    # per-slot coefficients that segment_reduce sums per table row
+    write_coef = indexed and mode == "deterministic"
     kernel = _kernel("temporal_attention", q.device, (slots, heads, dim), backward_mode=mode,
                      all_heads=shared is not None, write_coef=write_coef,
                      grad_dtype=spec["dtype"], **spec)
@@ -302,7 +293,7 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
     threshold, drop_scale = _dropout_args(dropout_p)
     kernel.launch(kernel.cfg.tile_grid(rows, heads), q, k, v, mask_arg, indptr_arg,
                   k_index if k_index is not None else q, v_index if v_index is not None else q,
-                  *_time_args(time), *shared_in, out, grad_out, lse, dq, dk, dv, ds_coef,
+                  *shared_in, out, grad_out, lse, dq, dk, dv, ds_coef,
                   pd_coef, *shared_grads, rows, scale, seed, threshold, drop_scale)
     if mode == "atomic":
         dk = dk.to(k.dtype) if k_index is not None else dk
@@ -316,7 +307,7 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
             (dk,) = segment_reduce(((ds_coef, q),), k_index, k.shape[0], k.dtype, segments)
         if v_index is not None:
             (dv,) = segment_reduce(((pd_coef, grad_out),), v_index, v.shape[0], v.dtype, segments)
-    return dq, dk, dv, ds_coef, pd_coef, dsq, dse
+    return dq, dk, dv, dsq, dse
 
 
 def _same_index(a: Optional[Tensor], b: Optional[Tensor]) -> bool:
@@ -329,7 +320,7 @@ def attention_forward(q, k, v, mask=None, indptr=None, *, k_index=None, v_index=
                       dropout_p=0.0, seed=0) -> Tuple[Tensor, Tensor]:
     """Forward kernel of ``fastopt::temporal_attention``: ``(out, lse)``."""
     out, lse, _ = _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p,
-                                     seed, None)
+                                     seed)
     return out, lse
 
 
@@ -339,7 +330,7 @@ def attention_backward(grad_out, q, k, v, out, lse, mask=None, indptr=None, *, k
     """Backward kernels of ``fastopt::temporal_attention``: ``(dq, dk, dv)``; ``pack``: see
     :func:`_attention_backward` (not for the custom op, whose outputs may not alias)."""
     dq, dk, dv, *_ = _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index,
-                                         v_index, scale, dropout_p, seed, None, pack)
+                                         v_index, scale, dropout_p, seed, pack)
     return dq, dk, dv
 
 
@@ -348,7 +339,7 @@ def shared_attention_forward(q, k, v, sq, se, mask=None, indptr=None, *, k_index
                              seed=0) -> Tuple[Tensor, Tensor, Tensor]:
     """Forward kernel of ``fastopt::shared_attention``: ``(out, shared_out, lse)``."""
     out, lse, shared_out = _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale,
-                                              dropout_p, seed, None, (sq, se))
+                                              dropout_p, seed, (sq, se))
     return out, shared_out, lse
 
 
@@ -356,52 +347,8 @@ def shared_attention_backward(grad_out, grad_shared_out, q, k, v, sq, se, out, s
                               mask=None, indptr=None, *, k_index=None, v_index=None, scale,
                               dropout_p=0.0, seed=0, pack: bool = False):
     """Backward kernels of ``fastopt::shared_attention``: ``(dq, dk, dv, dsq, dse)``."""
-    dq, dk, dv, _, _, dsq, dse = _attention_backward(
-        grad_out, q, k, v, out, lse, mask, indptr, k_index, v_index, scale, dropout_p, seed, None,
-        pack, (sq, se, shared_out, grad_shared_out))
-    return dq, dk, dv, dsq, dse
-
-
-def time_encoded_attention_forward(q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj,
-                                   mask=None, indptr=None, *, k_index=None, v_index=None, scale,
-                                   dropout_p=0.0, seed=0) -> Tuple[Tensor, Tensor]:
-    """Forward kernel of ``fastopt::time_encoded_attention``; the encoding stays in registers."""
-    time = (dt, time_w, time_b, k_time_proj, v_time_proj)
-    out, lse, _ = _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p,
-                                     seed, time)
-    return out, lse
-
-
-def time_encoded_attention_backward(grad_out, q, k, v, dt, time_w, time_b, k_time_proj,
-                                    v_time_proj, out, lse, mask=None, indptr=None, *,
-                                    k_index=None, v_index=None, scale, dropout_p=0.0, seed=0):
-    """Backward of ``fastopt::time_encoded_attention``.
-
-    The attention kernel gives dq, dk, dv and the per-slot coefficients ``c_k = scale * ds`` and
-    ``c_v = p_dropped`` (``[M, H, K]``); the time part needs no ``[M, K, H, d]`` tensor:
-    ``dk_time_proj[t, h] = sum_m (sum_j enc[m, j, t] c_k[m, h, j]) q[m, h]`` (likewise with
-    ``dout`` for values) and ``d enc[m, j, t] = sum_h c_k[m, h, j] (q[m, h] . k_time_proj[t, h])
-    + c_v[m, h, j] (dout[m, h] . v_time_proj[t, h])``.
-    """
-    time = (dt, time_w, time_b, k_time_proj, v_time_proj)
-    dq, dk, dv, ck, cv, _, _ = _attention_backward(grad_out, q, k, v, out, lse, mask, indptr,
-                                                   k_index, v_index, scale, dropout_p, seed, time)
-    acc = ck.dtype
-    qa, ga = q.to(acc), grad_out.to(acc)
-    phase = dt.to(acc)[..., None] * time_w.to(acc) + time_b.to(acc)
-    enc = torch.cos(phase)
-    dkp = torch.einsum("mjt,mhj,mhd->thd", enc, ck, qa)
-    dvp = torch.einsum("mjt,mhj,mhd->thd", enc, cv, ga)
-    q_dot = torch.einsum("mhd,thd->mht", qa, k_time_proj.to(acc))
-    g_dot = torch.einsum("mhd,thd->mht", ga, v_time_proj.to(acc))
-    denc = torch.einsum("mhj,mht->mjt", ck, q_dot) + torch.einsum("mhj,mht->mjt", cv, g_dot)
-    dphase = -torch.sin(phase) * denc
-    ddt = (dphase * time_w.to(acc)).sum(-1)
-    width = time_w.shape[0]
-    dw = column_sum((dphase * dt.to(acc)[..., None]).view(-1, width))
-    db = column_sum(dphase.view(-1, width))
-    return (dq, dk, dv, ddt.to(dt.dtype), dw.to(time_w.dtype), db.to(time_b.dtype),
-            dkp.to(k_time_proj.dtype), dvp.to(v_time_proj.dtype))
+    return _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_index, scale,
+                               dropout_p, seed, pack, (sq, se, shared_out, grad_shared_out))
 
 
 # ----------------------------------------------------------------------------------------------

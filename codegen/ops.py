@@ -6,7 +6,6 @@ backward is itself a custom op, so ``torch.compile``, fx and ``gradcheck`` see a
 =====================================  ==========================================================
 ``fastopt::temporal_attention``        ``(out [M, H, d], lse [M, H])``
 ``fastopt::temporal_attention_backward``  ``(dq, dk, dv)``, dk/dv summed into table rows if indexed
-``fastopt::time_encoded_attention``    as above, keys/values plus a time-encoding prologue
 ``fastopt::shared_attention``          ``(out, shared_out, lse)``: a feature block shared by heads
 ``fastopt::masked_aggregate``          ``out [M, F...]`` and its backward
 ``fastopt::time_encode``               ``cos(dt w + b)`` and its backward
@@ -42,7 +41,6 @@ from fastopt.errors import KernelError
 __all__ = [
     "temporal_attention",
     "dropout_seed",
-    "time_encoded_attention",
     "shared_attention",
     "masked_aggregate",
     "time_encode",
@@ -387,117 +385,6 @@ def shared_attention(
         return _EagerShared.apply(*args)
     out, shared_out, _ = torch.ops.fastopt.shared_attention(*args)
     return out, shared_out
-
-
-# ----------------------------------------------------------------------------------------------
-# time-encoded attention
-# ----------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("fastopt::time_encoded_attention", mutates_args=())
-def _te_attention(q: Tensor, k: Tensor, v: Tensor, dt: Tensor, time_w: Tensor, time_b: Tensor,
-                  k_time_proj: Tensor, v_time_proj: Tensor, mask: Optional_, indptr: Optional_,
-                  k_index: Optional_, v_index: Optional_, scale: float, dropout_p: float,
-                  seed: int) -> Tuple[Tensor, Tensor]:
-    args = (q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj, mask, indptr)
-    kwargs = dict(k_index=k_index, v_index=v_index, scale=scale, dropout_p=dropout_p, seed=seed)
-    if select_backend(q) == "triton":
-        return _kernels().time_encoded_attention_forward(*args, **kwargs)
-    out, lse = reference.time_encoded_attention_forward(*args, **kwargs)
-    return out, lse.float() if q.dtype != torch.float64 else lse
-
-
-@_te_attention.register_fake
-def _te_attention_fake(q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj, mask, indptr,
-                       k_index, v_index, scale, dropout_p, seed):
-    return _attention_fake(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p, seed)
-
-
-@torch.library.custom_op("fastopt::time_encoded_attention_backward", mutates_args=())
-def _te_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, dt: Tensor,
-                           time_w: Tensor, time_b: Tensor, k_time_proj: Tensor,
-                           v_time_proj: Tensor, out: Tensor, lse: Tensor, mask: Optional_,
-                           indptr: Optional_, k_index: Optional_, v_index: Optional_,
-                           scale: float, dropout_p: float, seed: int) -> List[Tensor]:
-    args = (grad_out, q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj, out, lse, mask,
-            indptr)
-    kwargs = dict(k_index=k_index, v_index=v_index, scale=scale, dropout_p=dropout_p, seed=seed)
-    if select_backend(q) == "triton":
-        return list(_kernels().time_encoded_attention_backward(*args, **kwargs))
-    return list(reference.time_encoded_attention_backward(*args, **kwargs))
-
-
-@_te_attention_backward.register_fake
-def _te_attention_backward_fake(grad_out, q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj,
-                                out, lse, mask, indptr, k_index, v_index, scale, dropout_p, seed):
-    return [torch.empty_like(t) for t in (q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj)]
-
-
-def _te_attention_setup(ctx, inputs, output):
-    (q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj, mask, indptr, k_index, v_index,
-     scale, dropout_p, seed) = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, dt, time_w, time_b, k_time_proj, v_time_proj, out, lse, mask,
-                          indptr, k_index, v_index)
-    ctx.hyper = (scale, dropout_p, seed)
-    ctx.mark_non_differentiable(lse)
-
-
-def _te_attention_grad(ctx, grad_out, _grad_lse):
-    saved = ctx.saved_tensors
-    grads = torch.ops.fastopt.time_encoded_attention_backward(
-        grad_out.contiguous(), *saved, *ctx.hyper)
-    return (*grads, None, None, None, None, None, None, None)
-
-
-_te_attention.register_autograd(_te_attention_grad, setup_context=_te_attention_setup)
-
-
-def time_encoded_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    dt: Tensor,
-    time_w: Tensor,
-    time_b: Tensor,
-    k_time_proj: Tensor,
-    v_time_proj: Tensor,
-    mask: Optional[Tensor] = None,
-    indptr: Optional[Tensor] = None,
-    *,
-    k_index: Optional[Tensor] = None,
-    v_index: Optional[Tensor] = None,
-    scale: Optional[float] = None,
-    dropout_p: float = 0.0,
-    seed: int = 0,
-) -> Tensor:
-    """Temporal attention whose keys and values get a time encoding added in a fused prologue.
-
-    ``k_mj = k[m, j] (or k[k_index[m, j]]) + cos(dt[m, j] * time_w + time_b) @ k_time_proj``,
-    likewise for values; the ``[M, K, T]`` encoding is never written to memory. This is TGAT's
-    key/value projection of ``[x_j ; e_j ; phi(dt_j)]`` with the node/edge part projected once per
-    unique table row by the caller. See :func:`fastopt.codegen.reference.time_encoded_attention`.
-
-    Args:
-        q, k, v, mask, indptr, k_index, v_index, scale, dropout_p, seed: As in
-            :func:`temporal_attention`.
-        dt: Time since each neighbor's event ``[M, K]``.
-        time_w: Time-encoding frequencies ``[T]``.
-        time_b: Time-encoding phases ``[T]``.
-        k_time_proj: ``[T, H, d]`` projection of the encoding onto keys.
-        v_time_proj: ``[T, H, d]`` projection of the encoding onto values.
-
-    Returns:
-        ``[M, H, d]`` in the dtype of ``q``.
-    """
-    layout = checks.check_attention(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p,
-                                    seed)
-    checks.check_time_projection(q, dt, time_w, time_b, k_time_proj, v_time_proj, layout)
-    out, _ = torch.ops.fastopt.time_encoded_attention(
-        q.contiguous(), k.contiguous(), v.contiguous(), dt.contiguous(), time_w.contiguous(),
-        time_b.contiguous(), k_time_proj.contiguous(), v_time_proj.contiguous(), mask, indptr,
-        k_index, v_index, _scale(q, scale), float(dropout_p), int(seed))
-    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -30,9 +30,10 @@ from fastopt.errors import ConfigError
 # parallel regions: with few, busy cores a spinning team makes the next loop wait for a
 # descheduled thread, which made training steps several times slower on a 2-core machine. The
 # runtime reads the variable once, when torch loads it, so it is set here, before fastopt imports
-# torch; an explicit setting in the environment wins. ``OPENMP_WAIT_POLICY`` records what the
-# runtime will read, or None when torch was loaded before fastopt (then only the process's
-# starting environment tells).
+# torch; an explicit setting in the environment wins. It cannot wait until a sampler is created:
+# torch (and with it the runtime) is loaded by then, and a later change is never read.
+# ``OPENMP_WAIT_POLICY`` records what the runtime will read, or None when torch was loaded before
+# fastopt (then only the process's starting environment tells).
 if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     OPENMP_WAIT_POLICY: Optional[str] = os.environ["OMP_WAIT_POLICY"]

@@ -653,10 +653,6 @@ class SlimCache:
             total = total + t.counters
         return total
 
-    def reset_counters(self) -> None:
-        for t in self._tables.values():
-            t.counters = CacheCounters(row_bytes=t.row_bytes)
-
     def optimum(self, table: str) -> BeladyResult:
         """The offline Belady optimum for the access stream this table has seen (``record=True``)."""
         t = self._table(table)

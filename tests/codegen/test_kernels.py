@@ -131,7 +131,7 @@ def test_auto_softmax_takes_two_passes_while_the_value_rows_fit(dim, two_pass):
     softmax for d=100 (80 per thread); the backward is the same either way."""
     spec = dict(K=10, H=2, D=dim, k_stride=2 * dim, v_stride=2 * dim, dk_stride=2 * dim,
                 dv_stride=2 * dim, dtype="tl.float32", acc="tl.float32", mask_form="mask",
-                k_indexed=True, v_indexed=True, dropout=False, dropout_bits=24, time_dim=0,
+                k_indexed=True, v_indexed=True, dropout=False, dropout_bits=24,
                 seed_in_memory=False, rows=1, block_m=1, block_k=16, block_d=128, block_h=2,
                 num_warps=1, gather_eviction="", write_coef=False, align=4, shared_index=True, shared_dim=0)
     forward = kernels.render("temporal_attention", stage="forward", backward_mode="", softmax="auto", **spec)
@@ -155,7 +155,7 @@ def test_aligned_rows_only_where_every_head_stays_in_its_row(dim, heads, align, 
     width = heads * dim
     spec = dict(K=10, H=heads, D=dim, k_stride=width, v_stride=width, dk_stride=width,
                 dv_stride=width, dtype="tl.float32", acc="tl.float32", mask_form="mask",
-                k_indexed=True, v_indexed=True, dropout=False, dropout_bits=24, time_dim=0,
+                k_indexed=True, v_indexed=True, dropout=False, dropout_bits=24,
                 seed_in_memory=False, rows=1, block_m=1, block_k=16, block_d=128,
                 block_h=heads, num_warps=1, gather_eviction="", write_coef=False, align=align,
                 shared_index=False, softmax="auto", shared_dim=0)
@@ -192,25 +192,6 @@ def test_forward_saves_log_sum_exp(device):
     assert torch.equal(torch.isfinite(lse.cpu()), finite)
     assert rel_error(lse.cpu()[finite], ref_lse.cpu()[finite]) < TOL
     assert torch.all(lse.cpu()[~finite] == float("inf"))
-
-
-def test_time_encoded_attention_matches_reference(device):
-    gen = torch.Generator().manual_seed(3)
-    (q, k, v), kwargs = _attention_inputs(ATTENTION_CASES[1], device, seed=3)
-    rows, slots = kwargs["k_index"].shape
-    heads, dim = q.shape[1:]
-    width = 12
-    dt = (torch.rand(rows, slots, generator=gen) * 50).to(device).requires_grad_()
-    time_w = randn(width, generator=gen, device=device, scale=0.2)
-    time_b = randn(width, generator=gen, device=device)
-    k_proj = randn(width, heads, dim, generator=gen, device=device, scale=0.3)
-    v_proj = randn(width, heads, dim, generator=gen, device=device, scale=0.3)
-    kwargs.update(dropout_p=0.2, seed=5)
-    for mode, softmax in (("deterministic", "online"), ("atomic", "two_pass")):
-        with fconfig.patch(kernels__backward_mode=mode, kernels__attention_softmax=softmax):
-            _check_against_reference(cg.time_encoded_attention,
-                                     reference.time_encoded_attention,
-                                     (q, k, v, dt, time_w, time_b, k_proj, v_proj), kwargs)
 
 
 @pytest.mark.parametrize("form", ["mask", "csr", "none"])

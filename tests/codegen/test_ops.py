@@ -61,20 +61,6 @@ def test_opcheck_masked_aggregate_and_time_encode():
     torch.library.opcheck(torch.ops.fastopt.time_encode.default, (dt, w, b))
 
 
-def test_opcheck_time_encoded_attention():
-    q, k, v, index, nbrs = _attention_args()
-    dt = torch.rand(4, 5, dtype=torch.float64, requires_grad=True)
-    w, b = (torch.randn(3, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    kp, vp = (torch.randn(3, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    args = (q, k, v, dt, w, b, kp, vp, nbrs.mask, None, index, None, 0.35, 0.0, 0)
-    with pytest.raises(Exception):
-        # v is a table but v_index is None: the op itself does not validate, the wrapper does
-        torch.library.opcheck(torch.ops.fastopt.time_encoded_attention.default, args)
-    dense_v = torch.randn(4, 5, 2, 8, dtype=torch.float64, requires_grad=True)
-    args = (q, k, dense_v, dt, w, b, kp, vp, nbrs.mask, None, index, None, 0.35, 0.0, 0)
-    torch.library.opcheck(torch.ops.fastopt.time_encoded_attention.default, args)
-
-
 def _shared_block(rows=4, slots=5, heads=2, width=3, dtype=torch.float64):
     gen = torch.Generator().manual_seed(5)
     return (randn(rows, heads, width, generator=gen, device="cpu", dtype=dtype),
