@@ -38,7 +38,8 @@ def optimize(model: nn.Module, *, config: Union[str, Config, dict, None] = "auto
             while the passes rewrite and while the optimized modules run; ``"auto"`` follows the
             process configuration as it changes.
         verify: Run the eager and the optimized computation side by side on the first calls of
-            every rewritten module and raise if they disagree; the report's ``verified against
+            every rewritten module (outputs, and parameter and input gradients where autograd
+            records) and raise if they disagree; the report's ``verified against
             eager`` section states the calls compared and the largest difference.
 
     On CUDA, the optimized model's forward and backward are captured in CUDA graphs, one pair per
@@ -54,7 +55,8 @@ def optimize(model: nn.Module, *, config: Union[str, Config, dict, None] = "auto
 
     Raises:
         TraceError: A pass failed (naming the pass and the passes before it), or, with
-            ``verify=True``, optimized and eager outputs differ (naming the largest difference).
+            ``verify=True``, optimized and eager outputs or gradients differ (naming the
+            largest difference).
         ConfigError: ``config`` is not a valid configuration.
     """
     if not isinstance(model, nn.Module):

@@ -56,10 +56,11 @@ class OptimizedForward:
         if self._fastopt_verify > 0:
             self.__dict__["_fastopt_verify"] = self._fastopt_verify - 1
             original = super().forward  # the user's forward, on the same objects
-            largest = verified_call(self, original, self._fastopt_run, args, kwargs,
-                                    f"fastopt.optimize(verify=True): {self._fastopt_path}")
+            largest, gradients = verified_call(self, original, self._fastopt_run, args, kwargs,
+                                               f"fastopt.optimize(verify=True): {self._fastopt_path}")
             record = self._fastopt_verification
             record.calls += 1
+            record.with_gradients += gradients
             record.largest = max(record.largest, largest)
         return self._fastopt_run(*args, **kwargs)
 

@@ -92,18 +92,24 @@ class Verification:
     Attributes:
         where: Module path (``<root>`` for the model).
         calls: Calls whose outputs were compared so far.
-        largest: The largest absolute difference of any floating-point output element.
+        with_gradients: Of those, the calls whose parameter and input gradients were compared too
+            (the calls made while autograd records).
+        largest: The largest absolute difference of any floating-point output or gradient element.
     """
 
     where: str
     calls: int = 0
+    with_gradients: int = 0
     largest: float = 0.0
 
     def __str__(self) -> str:
         if not self.calls:
             return f"{self.where}  waiting for its first call"
-        return (f"{self.where}  {self.calls} call(s) compared: outputs within tolerance, largest "
-                f"absolute difference {self.largest:.3g} (float32 allows 1e-05 + 1e-04 * |eager|)")
+        what = "outputs" if not self.with_gradients else (
+            f"outputs and, in {self.with_gradients} of them, parameter and input gradients")
+        return (f"{self.where}  {self.calls} call(s) compared: {what} within tolerance, largest "
+                f"absolute difference {self.largest:.3g} (float32 allows 1e-05 + 1e-04 * |eager|; "
+                f"gradients 1e-05 * their largest element + 1e-04 * |eager|)")
 
 
 @dataclass
@@ -167,7 +173,7 @@ class RewriteReport:
             for a in self.left_alone:
                 lines.append(f"    {a.where}  [{a.pass_name}] {a.reason}")
         if self.verifications:
-            lines.append("  verified against eager (verify=True; the first calls, without gradients):")
+            lines.append("  verified against eager (verify=True; the first calls):")
             lines.extend(f"    {v}" for v in self.verifications)
         if self.graphs and _cuda_available():  # on a CPU-only machine there is nothing to capture
             lines.append("  cuda graphs:")

@@ -34,18 +34,6 @@ def _optimize_args(tmp_path):
             "--no-compile", "--json", str(tmp_path / "optimize.json")]
 
 
-class _WrongGradient(torch.autograd.Function):
-    """The identity forward with a backward 1 % too large: outputs right, gradients wrong."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 1.01
-
-
 def test_optimize_bench_passes_on_the_real_kernels(monkeypatch, tmp_path, capsys):
     script = _cpu_optimize_bench(monkeypatch)
     assert script.main(_optimize_args(tmp_path)) == 0
@@ -56,13 +44,13 @@ def test_optimize_bench_passes_on_the_real_kernels(monkeypatch, tmp_path, capsys
     assert "WRONG RESULT" not in capsys.readouterr().out
 
 
-def test_optimize_bench_fails_on_a_wrong_gradient(monkeypatch, tmp_path, capsys):
+def test_optimize_bench_fails_on_a_wrong_gradient(monkeypatch, tmp_path, capsys, wrong_backward):
     script = _cpu_optimize_bench(monkeypatch)
     from fastopt.passes import lowering
 
     real = lowering.fused_attention
     monkeypatch.setattr(lowering, "fused_attention",
-                        lambda *a, **kw: _WrongGradient.apply(real(*a, **kw)))
+                        lambda *a, **kw: wrong_backward.apply(real(*a, **kw)))
     assert script.main(_optimize_args(tmp_path)) == 1
     out = capsys.readouterr().out
     assert "WRONG RESULT: tgat fastopt_ms" in out and "grad " in out
@@ -85,14 +73,14 @@ def test_kernel_bench_accepts_the_fused_op():
     assert script.accuracy_failures(result, 1e-4) == []
 
 
-def test_kernel_bench_fails_a_wrong_forward_or_gradient(monkeypatch):
+def test_kernel_bench_fails_a_wrong_forward_or_gradient(monkeypatch, wrong_backward):
     script = load("kernels")
     real = script.fused
     monkeypatch.setattr(script, "fused", lambda *a: real(*a) * 1.001)
     failures = script.accuracy_failures(_kernel_errors(script), 1e-4)
     assert any("forward relative error" in f for f in failures)
     assert any("deterministic backward" in f for f in failures)
-    monkeypatch.setattr(script, "fused", lambda *a: _WrongGradient.apply(real(*a)))
+    monkeypatch.setattr(script, "fused", lambda *a: wrong_backward.apply(real(*a)))
     failures = script.accuracy_failures(_kernel_errors(script), 1e-4)
     assert failures and not any("forward" in f for f in failures)
     nan = dict(_kernel_errors(script), fwd_rel_error=float("nan"))

@@ -64,8 +64,10 @@ def test_verify_passes_and_catches_a_wrong_rewrite(monkeypatch):
         fast(*_layer_inputs())
     (record,) = report.verifications
     assert record.where == "<root>" and record.calls == 2  # the first VERIFY_CALLS calls
-    assert 0.0 <= record.largest < 1e-4
-    assert "2 call(s) compared: outputs within tolerance, largest absolute difference" in str(report)
+    assert record.with_gradients == 2  # autograd recorded: parameter gradients compared too
+    assert 0.0 < record.largest < 1e-4
+    assert ("2 call(s) compared: outputs and, in 2 of them, parameter and input gradients within "
+            "tolerance, largest absolute difference") in str(report)
 
     from fastopt.passes import lowering
 
@@ -75,6 +77,46 @@ def test_verify_passes_and_catches_a_wrong_rewrite(monkeypatch):
     bad = optimize_module(layer, verify=True)[0]
     with pytest.raises(FastOptError, match="largest difference"):
         bad(*_layer_inputs())
+
+
+def test_verify_compares_parameter_and_input_gradients(monkeypatch, wrong_backward):
+    torch.manual_seed(0)
+    layer = TemporalAttention(8, 4, 6, 8).eval()
+    from fastopt.passes import lowering
+
+    real = lowering.fused_attention
+    monkeypatch.setattr(lowering, "fused_attention",
+                        lambda *a, **kw: wrong_backward.apply(real(*a, **kw)))
+    fast, report = optimize_module(layer, verify=True)
+    with torch.no_grad():  # outputs alone are right
+        fast(*_layer_inputs())
+    (record,) = report.verifications
+    assert record.calls == 1 and record.with_gradients == 0
+    wrong = optimize_module(layer, verify=True)[0]
+    with pytest.raises(FastOptError, match=r"gradient of [\w.]+ differs from eager"):
+        wrong(*_layer_inputs())
+    h_dst, *rest = _layer_inputs()
+    h_dst.requires_grad_()
+    frozen = optimize_module(layer, verify=True)[0]
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    try:  # no parameter needs a gradient: the input's gradient shows the wrong backward
+        with pytest.raises(FastOptError, match=r"gradient of args\[0\] differs from eager"):
+            frozen(h_dst, *rest)
+    finally:
+        for p in layer.parameters():
+            p.requires_grad_(True)
+    assert h_dst.grad is None  # the check differentiates detached copies: nothing reaches the caller
+
+
+def test_verify_with_active_dropout_compares_the_same_draws():
+    torch.manual_seed(0)
+    layer = TemporalAttention(8, 4, 6, 8, dropout=0.3).train()
+    fast, report = optimize_module(layer, verify=True)
+    for _ in range(2):
+        fast(*_layer_inputs())
+    (record,) = report.verifications
+    assert record.calls == 2 and record.with_gradients == 2 and record.largest < 1e-4
 
 
 def test_dropout_in_training_is_fused_and_keeps_the_expected_scale():
@@ -91,17 +133,54 @@ def test_dropout_in_training_is_fused_and_keeps_the_expected_scale():
     torch.manual_seed(1)
     fused = fast(*args)
     assert fused.shape == eager.shape and torch.isfinite(fused).all()
+    assert fast.fastopt_report.count("temporal_attention") == 1
+
+
+class _AttentionWithDropout(nn.Module):
+    """Masked attention with functional dropout whose output is its weighted sum: linear in the
+    dropped weights."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, q, k, v, mask):
+        s = (q * k).sum(-1).masked_fill(~mask[..., None], -1e9)
+        a = torch.softmax(s, 1).masked_fill(~mask[..., None], 0.0)
+        a = torch.nn.functional.dropout(a, self.p, training=self.training)
+        return (a.unsqueeze(-1) * v).sum(1)
+
+
+def test_fused_dropout_keeps_each_weight_with_probability_1_minus_p_scaled_by_its_inverse():
+    """With one-hot values (slot j writes feature j), every output feature of the fused op is
+    either 0 (weight dropped) or the weight / (1 - p), kept about half the time at p = 0.5, and the
+    mean over rows is the output without dropout: inverted dropout keeps the expected scale."""
+    rows, slots, heads = 20000, 4, 2
+    model = _AttentionWithDropout(0.5).train()
+    fast = fastopt.optimize(model)
+    assert fast.fastopt_report.count("temporal_attention") == 2  # the graphs of both modes
+    gen = torch.Generator().manual_seed(0)
+    # the fused op takes values as wide as the keys: head dim = slots
+    q = torch.randn(1, 1, heads, slots, generator=gen).expand(rows, -1, -1, -1).contiguous()
+    k = torch.randn(1, slots, heads, slots, generator=gen).expand(rows, -1, -1, -1).contiguous()
+    v = torch.eye(slots).reshape(1, slots, 1, slots).expand(rows, -1, heads, -1).contiguous()
+    mask = torch.ones(rows, slots, dtype=torch.bool)
+    weights = model.eval()(q[:1], k[:1], v[:1], mask[:1])  # [1, H, K]: no dropout
+    torch.manual_seed(1)
+    out = fast.train()(q, k, v, mask)
+    kept = out != 0
+    torch.testing.assert_close(out[kept], (weights / 0.5).expand_as(out)[kept])
+    assert abs(kept.float().mean().item() - 0.5) < 0.01  # 160,000 draws: 4 standard deviations
+    for j in range(slots):  # each slot and head on its own, not only on average
+        assert 0.47 < kept[:, :, j].float().mean() < 0.53
+    torch.testing.assert_close(out.mean(0, keepdim=True), weights, atol=0.02, rtol=0)
+    assert not torch.equal(kept[: rows // 2], kept[rows // 2:])  # rows draw their own masks
+    torch.manual_seed(1)
+    assert not torch.equal(model.train()(q, k, v, mask), out)  # drawn by the fused op, not torch
 
 
 def test_graphs_traced_per_mode():
-    class FunctionalDropout(nn.Module):
-        def forward(self, q, k, v, mask):
-            s = (q * k).sum(-1).masked_fill(~mask[..., None], -1e9)
-            a = torch.softmax(s, 1).masked_fill(~mask[..., None], 0.0)
-            a = torch.nn.functional.dropout(a, 0.3, training=self.training)
-            return (a.unsqueeze(-1) * v).sum(1)
-
-    model = FunctionalDropout().eval()
+    model = _AttentionWithDropout(0.3).eval()
     fast = fastopt.optimize(model)
     q, k, v = torch.randn(5, 1, 2, 3), torch.randn(5, 4, 2, 3), torch.randn(5, 4, 2, 3)
     mask = neighbor_mask(5, 4)
