@@ -13,6 +13,8 @@ Public surface (stable signatures; the fx passes rewrite onto these):
   generated matmuls when ``config.kernels.matmul_precision`` asks for them; the bias gradient by
   :func:`column_sum` with ``bias_grad="column_sum"``
 - :func:`column_sum` ``(x)``: ``x.sum(0)`` of a matrix, deterministic, by a generated kernel
+- :func:`attention_mapping` ``(slots, heads, dim)``: the attention kernels' thread mapping for
+  that shape, in words (for reports)
 
 Each of the first four is a ``torch.library`` custom op (``torch.ops.fastopt.*``) with autograd and a fake
 implementation; :mod:`fastopt.codegen.reference` holds the plain-PyTorch reference of each, which
@@ -26,6 +28,7 @@ Layering: imports nothing of fastopt but :mod:`fastopt.config` and :mod:`fastopt
 """
 
 from fastopt.codegen import reference
+from fastopt.codegen.kernel_config import attention_mapping
 from fastopt.codegen.ops import (
     column_sum,
     dropout_seed,
@@ -45,6 +48,7 @@ __all__ = [
     "time_encode",
     "linear",
     "column_sum",
+    "attention_mapping",
     "select_backend",
     "reference",
 ]

@@ -18,7 +18,8 @@ from typing import Tuple
 from fastopt.config import default_config
 from fastopt.errors import KernelError
 
-__all__ = ["KernelConfig", "heuristic_config", "next_power_of_2", "FORWARD_ELEMENTS_PER_WARP"]
+__all__ = ["KernelConfig", "heuristic_config", "attention_mapping", "next_power_of_2",
+           "FORWARD_ELEMENTS_PER_WARP"]
 
 # Elements of one [block_k, heads, block_d] register tile above which heads are split over programs.
 MAX_TILE = 8192
@@ -173,3 +174,13 @@ def heuristic_config(slots: int, heads: int, dim: int, capability: Tuple[int, in
             changes["gather_eviction"] = "" if knobs.gather_eviction == "none" else knobs.gather_eviction
         cfg = dataclasses.replace(cfg, **changes)
     return cfg.validate(slots, heads, dim)
+
+
+def attention_mapping(slots: int, heads: int, dim: int) -> str:
+    """The temporal-attention kernels' mapping for a ``K, H, d`` problem, in words: the forward's
+    knobs, and the backward's warps where they differ (what a rewrite report shows)."""
+    cfg = heuristic_config(slots, heads, dim, warp_elements=FORWARD_ELEMENTS_PER_WARP)
+    knobs = ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items())
+    backward = heuristic_config(slots, heads, dim).num_warps
+    extra = f" (backward: num_warps={backward})" if backward != cfg.num_warps else ""
+    return f"K={slots} H={heads} d={dim}: {knobs}{extra}"

@@ -10,12 +10,30 @@ The public surface:
 - :class:`FastOptError` — the one error hierarchy.
 """
 
+from importlib import import_module
+
+# The ground floor and the front door load at once; the rest when first asked for, so that
+# ``import fastopt.runtime`` or ``fastopt.codegen`` loads no passes, models or trainer. ``optimize``
+# is bound here: the submodule of the same name, once imported, would shadow a lazy attribute.
 from fastopt.config import Config, default_config, patch
-from fastopt.data import TemporalGraph, load_dataset
 from fastopt.errors import FastOptError
-from fastopt.models import build_model
 from fastopt.optimize import optimize
-from fastopt.trainer import Trainer
+
+_LAZY = {"TemporalGraph": "fastopt.data", "load_dataset": "fastopt.data",
+         "build_model": "fastopt.models", "Trainer": "fastopt.trainer"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'fastopt' has no attribute {name!r}")
+    value = getattr(import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

@@ -9,7 +9,6 @@ from torch import nn
 
 from fastopt.config import Config, default_config, patch, resolve_config
 from fastopt.errors import TraceError
-from fastopt.passes import optimize_module
 
 __all__ = ["optimize"]
 
@@ -59,6 +58,10 @@ def optimize(model: nn.Module, *, config: Union[str, Config, dict, None] = "auto
             largest difference).
         ConfigError: ``config`` is not a valid configuration.
     """
+    # here, not at the top: ``import fastopt`` re-exports this function and must not load the
+    # passes (torch.fx) for a user of the runtime or the kernels alone
+    from fastopt.passes import optimize_module
+
     if not isinstance(model, nn.Module):
         raise TraceError(f"optimize expects a torch.nn.Module (got {type(model).__name__}); "
                          f"wrap the function in an nn.Module")

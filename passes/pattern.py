@@ -283,9 +283,14 @@ class RewritePass:
         path = ".".join(p for p in (self.module_path, inner) if p)
         return f"{path or '<root>'}:{anchor.name}"
 
+    def new_site(self, anchor: fx.Node) -> str:
+        """A fresh key of a rewrite's run-time shape record: its place, numbered once per process
+        (equal places of two models stay apart)."""
+        return f"{self._where(anchor)}#{next(_SITES)}"
+
     def _replace(self, gm: fx.GraphModule, m: Match) -> None:
         graph = gm.graph
-        m.kwargs["site"] = f"{self._where(m.anchor)}#{next(_SITES)}"
+        m.kwargs["site"] = self.new_site(m.anchor)
         with graph.inserting_before(m.output):
             args = [graph.get_attr(a[1]) if isinstance(a, tuple) and a and a[0] == "module" else a
                     for a in m.args]

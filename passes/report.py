@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
+
+from fastopt.codegen import attention_mapping
 
 __all__ = ["Rewrite", "LeftAlone", "GraphCapture", "Verification", "RewriteReport"]
 
@@ -16,7 +18,7 @@ class Rewrite:
         pattern: The pattern variant that matched (e.g. ``explicit[mul_sum,masked_fill,...]``).
         where: ``module.path:node`` of the match.
         op: The fastopt operator the replacement runs.
-        site: Key of the run-time shape record (see :func:`kernel_config`).
+        site: Key of the run-time shape record (:attr:`RewriteReport.site_shapes`).
     """
 
     pattern: str
@@ -24,11 +26,9 @@ class Rewrite:
     op: str
     site: str = ""
 
-    def kernel_config(self) -> str:
-        """The kernel configuration for the shape this site ran with, or when it is chosen."""
-        from fastopt.passes.lowering import site_shapes
-
-        shape = site_shapes(self.site)
+    def kernel_config(self, shape: Optional[Tuple[int, ...]]) -> str:
+        """The kernel configuration for ``shape``, the shape this site ran with first (None
+        before its first fused call, ``()`` when that call ran the code it replaces)."""
         if self.op in ("linear_over_parts", "linears_over_parts"):
             return ("none (two matrix products; widths seen on the first split call)"
                     if shape is None else f"none (two matrix products over input widths "
@@ -39,14 +39,7 @@ class Rewrite:
         if shape is None or self.op not in ("temporal_attention",):
             return "chosen per call from config.kernels (shape not seen yet)" if shape is None \
                 else f"per call from config.kernels, first shape {shape}"
-        from fastopt.codegen.kernel_config import FORWARD_ELEMENTS_PER_WARP, heuristic_config
-
-        slots, heads, dim = shape
-        cfg = heuristic_config(slots, heads, dim, warp_elements=FORWARD_ELEMENTS_PER_WARP)
-        knobs = ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items())
-        backward = heuristic_config(slots, heads, dim).num_warps
-        extra = f" (backward: num_warps={backward})" if backward != cfg.num_warps else ""
-        return f"K={slots} H={heads} d={dim}: {knobs}{extra}"
+        return attention_mapping(*shape)
 
 
 @dataclass
@@ -126,6 +119,8 @@ class RewriteReport:
             :mod:`fastopt.passes.graphs`), filled in as the optimized model runs.
         verifications: With ``verify=True``, each rewritten module's comparisons against its
             eager forward (filled in by its first calls).
+        site_shapes: The shape each rewrite site ran with first, by site (``None`` before its first
+            fused call): handed over by the pipeline, which records them as the model runs.
     """
 
     model: str
@@ -135,6 +130,8 @@ class RewriteReport:
     passes: List[str] = field(default_factory=list)
     graphs: List[GraphCapture] = field(default_factory=list)
     verifications: List[Verification] = field(default_factory=list)
+    site_shapes: Callable[[str], Optional[Tuple[int, ...]]] = field(
+        default=lambda site: None, repr=False, compare=False)
 
     @property
     def changed(self) -> bool:
@@ -167,7 +164,7 @@ class RewriteReport:
                 home = "passes.lowering" if r.op in ("linear_over_parts", "linears_over_parts") \
                     else "codegen"
                 lines.append(f"    {r.where}  {r.pattern} -> fastopt.{home}.{r.op}")
-                lines.append(f"        kernel: {r.kernel_config()}")
+                lines.append(f"        kernel: {r.kernel_config(self.site_shapes(r.site))}")
         if self.left_alone:
             lines.append("  left alone:")
             for a in self.left_alone:

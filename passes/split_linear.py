@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fastopt.passes import lowering
-from fastopt.passes.pattern import (_SITES, Match, RewritePass, arg, call, gather_of, module_of,
+from fastopt.passes.pattern import (Match, RewritePass, arg, call, gather_of, module_of,
                                     writes_in_place)
 
 __all__ = ["SplitLinearInputs"]
@@ -97,7 +97,7 @@ class SplitLinearInputs(RewritePass):
         if not isinstance(m, _Siblings):
             return super()._replace(gm, m)
         graph = gm.graph
-        m.kwargs["site"] = f"{self._where(m.anchor)}#{next(_SITES)}"
+        m.kwargs["site"] = self.new_site(m.anchor)
         with graph.inserting_before(m.siblings[0]):
             modules = tuple(graph.get_attr(s.target) for s in m.siblings)
             merged = graph.call_function(m.target, (modules, *m.args), dict(m.kwargs))
