@@ -9,6 +9,7 @@ of the last batch) would leave proxies in the user's model. :func:`trace` snapsh
 submodule's attributes and restores them afterwards, whatever happens.
 
 A forward that assigns module attributes is treated as untraceable: fx would drop the write.
+In-place writes to buffers (``self.count.add_(1)``) are recorded in the graph and kept.
 
 ``self.training`` is read as a Python bool while tracing, so code such as
 ``F.dropout(x, p, training=self.training)`` is traced once per mode; the optimized module runs the
@@ -36,6 +37,11 @@ def is_builtin_leaf(module: nn.Module) -> bool:
 
 class FastOptTracer(fx.Tracer):
     """``torch.fx`` tracer whose leaves are the ``torch.nn`` built-ins."""
+
+    # Buffers are traced as graph inputs (get_attr proxies), not read as tensors: fx's default
+    # ran an in-place write such as ``self.count.add_(1)`` on the user's buffer while tracing
+    # and left it out of the graph.
+    proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return is_builtin_leaf(m)

@@ -119,6 +119,31 @@ def test_verify_with_active_dropout_compares_the_same_draws():
     assert record.calls == 2 and record.with_gradients == 2 and record.largest < 1e-4
 
 
+class _CountingAttention(nn.Module):
+    """Attention that counts its calls in a buffer: an in-place write the graph must keep."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _AttentionWithDropout(0.0)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, q, k, v, mask):
+        self.calls.add_(1)
+        return self.inner(q, k, v, mask) * self.calls
+
+
+def test_buffer_writes_stay_in_the_graph_and_verify_restores_them():
+    model = _CountingAttention()
+    fast, report = optimize_module(model, verify=True)
+    assert report.count("temporal_attention") == 2 and model.calls.item() == 0  # tracing wrote nothing
+    args = (torch.randn(5, 1, 2, 3), torch.randn(5, 4, 2, 3), torch.randn(5, 4, 2, 3),
+            neighbor_mask(5, 4))
+    for call in (1, 2, 3):  # verify runs the first two calls three times, the state moves once
+        torch.testing.assert_close(fast(*args), model.inner(*args) * call)
+        assert model.calls.item() == call
+    assert report.verifications[0].calls == 2
+
+
 def test_dropout_in_training_is_fused_and_keeps_the_expected_scale():
     torch.manual_seed(0)
     layer = TemporalAttention(8, 4, 6, 8, dropout=0.5).train()
