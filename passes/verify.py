@@ -72,13 +72,13 @@ def compare(eager: Any, optimized: Any, where: str, scaled: bool = False,
         diff = (a64 - b64).abs().masked_fill(both_nan, 0.0).nan_to_num(nan=float("inf"))
         excess = diff - (atol + rtol * a64.abs().nan_to_num(nan=0.0))
         largest = max(largest, float(diff.max()))
-        worst = int(excess.argmax())
-        if float(excess.view(-1)[worst]) > 0:
+        worst = int(excess.argmax())  # in row-major order, whatever the strides (gradients)
+        at = lambda t: float(t.reshape(-1)[worst])  # noqa: E731
+        if at(excess) > 0:
             index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), a.shape))
             raise TraceError(
-                f"{where}: {path} differs from eager: largest difference "
-                f"{float(diff.view(-1)[worst]):.3g} at {index} (eager "
-                f"{float(a64.view(-1)[worst]):.6g}, optimized {float(b64.view(-1)[worst]):.6g}; "
+                f"{where}: {path} differs from eager: largest difference {at(diff):.3g} at "
+                f"{index} (eager {at(a64):.6g}, optimized {at(b64):.6g}; "
                 f"allowed {atol:g} + {rtol:g} * |eager|). Use the model without fastopt.optimize "
                 f"and report the model to the fastopt developers"
             )
@@ -91,10 +91,12 @@ def _devices() -> List[int]:
 
 def _map_tensors(x: Any, fn: Callable[[str, Tensor], Tensor], path: str) -> Any:
     """``x`` with each tensor ``t`` in it (at ``path``) replaced by ``fn(path, t)``; lists,
-    tuples and dicts are rebuilt, anything else is kept as it is."""
+    tuples (named ones too) and dicts are rebuilt, anything else is kept as it is."""
     if isinstance(x, Tensor):
         return fn(path, x)
-    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple
+        return type(x)(*(_map_tensors(getattr(x, f), fn, f"{path}.{f}") for f in x._fields))
+    if isinstance(x, (list, tuple)):
         return type(x)(_map_tensors(item, fn, f"{path}[{i}]") for i, item in enumerate(x))
     if isinstance(x, dict):
         return {k: _map_tensors(item, fn, f"{path}[{k!r}]") for k, item in x.items()}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from torch import nn
@@ -107,6 +109,32 @@ def test_verify_compares_parameter_and_input_gradients(monkeypatch, wrong_backwa
         for p in layer.parameters():
             p.requires_grad_(True)
     assert h_dst.grad is None  # the check differentiates detached copies: nothing reaches the caller
+
+
+_Neighbors = collections.namedtuple("_Neighbors", "k v mask")
+
+
+class _AttentionOverATuple(nn.Module):
+    """Attention whose keys, values and mask come in a named tuple."""
+
+    def forward(self, q, nbrs):
+        s = (q * nbrs.k).sum(-1).masked_fill(~nbrs.mask[..., None], -1e9)
+        a = torch.softmax(s, 1).masked_fill(~nbrs.mask[..., None], 0.0)
+        return (a.unsqueeze(-1) * nbrs.v).sum(1)
+
+
+def test_verify_reaches_inputs_inside_named_tuples(monkeypatch, wrong_backward):
+    from fastopt.passes import lowering
+
+    real = lowering.fused_attention
+    monkeypatch.setattr(lowering, "fused_attention",
+                        lambda *a, **kw: wrong_backward.apply(real(*a, **kw)))
+    fast = optimize_module(_AttentionOverATuple(), verify=True)[0]
+    keys = torch.randn(5, 4, 2, 3, requires_grad=True)
+    nbrs = _Neighbors(keys, torch.randn(5, 4, 2, 3), neighbor_mask(5, 4))
+    with pytest.raises(FastOptError, match=r"gradient of args\[1\]\.k differs from eager"):
+        fast(torch.randn(5, 1, 2, 3), nbrs)
+    assert keys.grad is None
 
 
 def test_verify_with_active_dropout_compares_the_same_draws():
