@@ -21,6 +21,20 @@ def shared_data_dir() -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def installed_package_in_children():
+    """Child processes import the installed fastopt, not the checkout's ``fastopt/`` folder that
+    their working directory (the repository) would put first on ``sys.path``: that folder lacks
+    the ``runtime`` and ``codegen`` subpackages, which the installation maps in from beside it."""
+    saved = os.environ.get("PYTHONSAFEPATH")
+    os.environ["PYTHONSAFEPATH"] = "1"
+    yield
+    if saved is None:
+        del os.environ["PYTHONSAFEPATH"]
+    else:
+        os.environ["PYTHONSAFEPATH"] = saved
+
+
+@pytest.fixture(scope="session", autouse=True)
 def dataset_cache(tmp_path_factory) -> Path:
     """Parsed-dataset caches of the session go to a temporary folder (child processes too):
     the suite writes nothing beside the data, in the package or in the user's cache."""
