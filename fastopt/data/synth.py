@@ -2,7 +2,8 @@
 
 The generator keeps three statistics of the source graph: the activity (degree) distribution
 of sources and of destinations, the distribution of inter-event times, and the repeat-edge rate
-(the fraction of events whose pair occurred before). Node counts scale with the event count so
+(the fraction of events whose pair occurred before; a repeat is a source meeting one of its past
+partners again). Node counts scale with the event count so
 that mean degree is preserved, unless ``num_nodes`` is given. Bipartite sources stay bipartite.
 Generation is vectorized in chunks, so tens of millions of events take seconds per million.
 """
@@ -26,6 +27,29 @@ def _activity(ids: np.ndarray, num_nodes: int, target: int, rng) -> np.ndarray:
     counts = np.bincount(ids, minlength=num_nodes).astype(np.float64)
     counts = counts[counts > 0]
     return rng.choice(counts, size=target, replace=True)
+
+
+def _repeat_pointers(src: np.ndarray, repeat: float, rng) -> np.ndarray:
+    """For each event, the event whose freshly drawn destination it takes: itself, or (with
+    probability ``repeat``, when its source has earlier events) a uniformly chosen earlier event of
+    the same source, followed to the fresh draw it took. A repeat is a source meeting a past partner
+    again, so a node's activity stays what its weight draws; copying any earlier event instead made
+    the counts an urn that rich nodes win (median degree 0, maximum 15x the source's)."""
+    m = src.size
+    order = np.argsort(src, kind="stable")  # events grouped by source, in time order
+    grouped = src[order]
+    starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
+    start_of = np.repeat(starts, np.diff(np.r_[starts, m]))
+    rank = np.arange(m) - start_of  # occurrence index of each event among its source's
+    earlier = (rng.random(m) * rank).astype(np.int64)  # uniform in [0, rank)
+    repeats = (rng.random(m) < repeat) & (rank > 0)
+    ptr = np.empty(m, dtype=np.int64)
+    ptr[order] = np.where(repeats, order[start_of + earlier], order)
+    while True:  # pointer jumping: every chain ends at an event that drew its own destination
+        nxt = ptr[ptr]
+        if np.array_equal(nxt, ptr):
+            return ptr
+        ptr = nxt
 
 
 def synthesize(like: TemporalGraph, num_events: int, *, num_nodes: Optional[int] = None,
@@ -53,34 +77,23 @@ def synthesize(like: TemporalGraph, num_events: int, *, num_nodes: Optional[int]
         src_w = _activity(like.src, like.num_nodes, n_src, rng)
         dst_w = _activity(like.dst, like.num_nodes, n - n_src, rng)
         dst_offset = n_src
-    else:
-        src_w = _activity(like.src, like.num_nodes, n, rng) + 1e-3
-        dst_w = _activity(like.dst, like.num_nodes, n, rng) + 1e-3
+    else:  # a node's sending and receiving activity come from one real node (they correlate)
+        sends = np.bincount(like.src, minlength=like.num_nodes).astype(np.float64)
+        receives = np.bincount(like.dst, minlength=like.num_nodes).astype(np.float64)
+        active = np.flatnonzero(sends + receives)
+        pick = rng.choice(active, size=n, replace=True)
+        src_w, dst_w = sends[pick] + 1e-3, receives[pick] + 1e-3
         dst_offset = 0
     src_cdf = np.cumsum(src_w) / src_w.sum()
     dst_cdf = np.cumsum(dst_w) / dst_w.sum()
     src = np.empty(num_events, dtype=np.int64)
-    dst = np.empty(num_events, dtype=np.int64)
+    fresh = np.empty(num_events, dtype=np.int64)
     for lo in range(0, num_events, _CHUNK):
         hi = min(lo + _CHUNK, num_events)
-        m = hi - lo
-        s = np.searchsorted(src_cdf, rng.random(m), side="right").clip(max=src_cdf.size - 1)
-        d = np.searchsorted(dst_cdf, rng.random(m), side="right").clip(max=dst_cdf.size - 1) + dst_offset
-        src[lo:hi], dst[lo:hi] = s, d
-        # Repeats copy the pair of a uniformly chosen earlier event; chains resolve to a fresh one.
-        idx = np.arange(lo, hi)
-        is_rep = (rng.random(m) < repeat) & (idx > 0)
-        ptr = np.where(is_rep, (rng.random(m) * np.maximum(idx, 1)).astype(np.int64), idx)
-        target = ptr.copy()
-        local = target >= lo
-        while True:
-            inner = local & (target != idx) & (ptr[np.clip(target - lo, 0, m - 1)] != target)
-            if not inner.any():
-                break
-            target[inner] = ptr[target[inner] - lo]
-            local = target >= lo
-        src[lo:hi] = np.where(is_rep, src[target], s)
-        dst[lo:hi] = np.where(is_rep, dst[target], d)
+        src[lo:hi] = np.searchsorted(src_cdf, rng.random(hi - lo), side="right").clip(max=src_cdf.size - 1)
+        fresh[lo:hi] = np.searchsorted(dst_cdf, rng.random(hi - lo), side="right").clip(
+            max=dst_cdf.size - 1) + dst_offset
+    dst = fresh[_repeat_pointers(src, repeat, rng)]
     ts = np.concatenate([[like.ts[0]], like.ts[0] + np.cumsum(rng.choice(gaps, size=num_events - 1))]) \
         if gaps.size else np.full(num_events, like.ts[0])
     return TemporalGraph(src, dst, ts, n, name=f"synth-{like.name}", bipartite=like.bipartite)
