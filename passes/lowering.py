@@ -396,11 +396,18 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, fill_mask: Tensor, dropout=
     :func:`fastopt.codegen.dropout_seed`: the device's generator where the kernels run, no host
     sync, a new key per CUDA-graph replay): equal in distribution to eager dropout, not draw for
     draw. With
-    ``config.passes.fuse_dropout`` off, attention with active dropout runs the code above.
+    ``config.passes.fuse_dropout`` off, attention with active dropout runs the code above, and so
+    does any call whose tensors are where no generated kernel runs (the CPU without the Triton
+    interpreter: the reference operator there is slower than this code).
     """
     p = _dropout_probability(dropout, dropout_p)
     fuse = p == 0.0 or (zeroed and default_config().passes.fuse_dropout)
     lay = attention_layout(scores, weighted, softmax_dim, q.dim(), k.dim(), v.dim())
+    if default_config().kernels.backend == "auto" and codegen.select_backend(q) != "triton":
+        # no generated kernel here (the CPU): the reference operator is slower than this code
+        # (TGAT on 2 cores: 1.3-1.5x); kernels.backend="reference" asks for it all the same
+        _record(site, ())
+        fuse = False
     if fuse and isinstance(lay, AttentionLayout):
         empty = "zero" if zeroed else ("nan" if fill == float("-inf") else "mean")
         out = canonical_attention(q, k, v, lay, ~fill_mask, scale=_scale_of(scale_ops),

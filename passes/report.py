@@ -35,7 +35,8 @@ class Rewrite:
                                           f"{shape[0]} without and {shape[1]} with gradient)")
         if shape == ():
             return ("none: the first call ran the code it replaces (the mode in config.passes, "
-                    "or tensors the fused operator does not take)")
+                    "tensors the fused operator does not take, or a device without generated "
+                    "kernels such as the CPU, where that code is the faster)")
         if shape is None or self.op not in ("temporal_attention",):
             return "chosen per call from config.kernels (shape not seen yet)" if shape is None \
                 else f"per call from config.kernels, first shape {shape}"

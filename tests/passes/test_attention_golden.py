@@ -189,6 +189,7 @@ def test_numerics_on_fresh_inputs(name, k):
         torch.testing.assert_close(b[rows], a[rows], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.usefixtures("reference_backend")
 def test_fused_operator_runs_not_the_fallback(monkeypatch):
     calls = []
     import fastopt.codegen as codegen

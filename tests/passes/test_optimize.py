@@ -204,6 +204,7 @@ class _AttentionWithDropout(nn.Module):
         return (a.unsqueeze(-1) * v).sum(1)
 
 
+@pytest.mark.usefixtures("reference_backend")
 def test_fused_dropout_keeps_each_weight_with_probability_1_minus_p_scaled_by_its_inverse():
     """With one-hot values (slot j writes feature j), every output feature of the fused op is
     either 0 (weight dropped) or the weight / (1 - p), kept about half the time at p = 0.5, and the
@@ -289,8 +290,10 @@ def test_time_encoding_fusion_by_config(mode, monkeypatch):
                                   ).fastopt_report.passes
         assert ("fuse_time_encoding" in passes) is joins, (cuda, graphs)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the pass in, CPU tensors
+    # the reference attention operator on the CPU too, as where the kernels run
     fast = fastopt.optimize(layer, config={"passes": {"fuse_time_encoding": mode,
-                                                      "factor_time_encoding": "off"}})
+                                                      "factor_time_encoding": "off"},
+                                           "kernels": {"backend": "reference"}})
     monkeypatch.undo()
     assert fast.fastopt_report.count("time_encode") == 2  # the zero-Δt query and the keys
     off = fastopt.optimize(layer, config={"passes": {"fuse_time_encoding": "off"}})
