@@ -213,8 +213,7 @@ class Loader:
 
             self.cache = SlimCache({"edge": CacheTable(self.edge_table)}, self.device, config.cache)
         self.bytes_h2d = 0  # bytes copied host -> device since construction
-        self.unique_rows = 0  # padded length of the unique nodes: only grows (see _pad_unique)
-        self.unique_edge_rows = 0  # the same for the unique edges of models that read edge rows
+        self.padded_rows = {"nodes": 0, "edges": 0}  # padded unique lengths: only grow (_padded)
 
     def bytes_moved(self) -> int:
         """Bytes copied host -> device so far: staged batches and the cache's misses."""
@@ -272,24 +271,18 @@ class Loader:
         staged = self.stage(batch, roots=roots, times=np.asarray(times, dtype=np.float64))
         return self.finish(staged).inputs
 
-    def _pad_unique(self, n: int) -> int:
-        """The length a batch's ``n`` unique nodes are padded to on CUDA: the largest bucketed
-        length seen so far. A monotone length gives a captured step one shape for the rest of the
-        run once the batches stop growing (a batch's unique count rises as the history fills and
-        varies from batch to batch; per-batch buckets made a dozen shapes per epoch, more than
-        the graphs kept, and the captures evicted each other every epoch). Padded rows cost the
-        per-node work of at most the largest batch seen."""
+    def _padded(self, ids: torch.Tensor, kind: str) -> torch.Tensor:
+        """``ids`` (a batch's unique node or edge ids, ``kind`` "nodes" or "edges") padded with
+        zeros on CUDA to the largest bucketed length seen so far for that kind. A monotone length
+        gives a captured step one shape for the rest of the run once the batches stop growing (a
+        batch's unique count rises as the history fills and varies from batch to batch;
+        per-batch buckets made a dozen shapes per epoch, more than the graphs kept, and the
+        captures evicted each other every epoch). Padded rows cost the per-row work of at most
+        the largest batch seen."""
         if not self.cuda:
-            return n
-        self.unique_rows = max(self.unique_rows, bucket(n))
-        return self.unique_rows
-
-    def _pad_unique_edges(self, n: int) -> int:
-        """:meth:`_pad_unique` for the batch's unique edges (their own high-water length)."""
-        if not self.cuda:
-            return n
-        self.unique_edge_rows = max(self.unique_edge_rows, bucket(n))
-        return self.unique_edge_rows
+            return ids
+        self.padded_rows[kind] = length = max(self.padded_rows[kind], bucket(ids.numel()))
+        return torch.cat([ids, ids.new_zeros(length - ids.numel())]) if length > ids.numel() else ids
 
     def _unique_edge_ids(self, batch: EventBatch, ints: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
         """The batch's unique edge ids (padded, ``-1`` as edge 0) and, in ``ints``, the inverse over
@@ -297,12 +290,8 @@ class Loader:
         u = batch.sampled.unique_eids
         if u is None:
             return None
-        ids = u.values.clamp(min=0)
-        padded = self._pad_unique_edges(ids.numel())
-        if padded > ids.numel():
-            ids = torch.cat([ids, ids.new_zeros(padded - ids.numel())])
         ints["edge_inverse"] = u.inverse.reshape(-1)
-        return ids
+        return self._padded(u.values.clamp(min=0), "edges")
 
     # ------------------------------------------------------------------------ staging
     def stage(self, batch: EventBatch, roots: Optional[np.ndarray] = None,
@@ -326,11 +315,7 @@ class Loader:
         unique = sampled.unique_nodes if sampled is not None else None
         if unique is None:
             unique = Unique.of(ints["roots"])
-        values = unique.values
-        padded = self._pad_unique(values.numel())
-        if padded > values.numel():
-            values = torch.cat([values, values.new_zeros(padded - values.numel())])
-        ints["unique_nodes"] = values
+        ints["unique_nodes"] = self._padded(unique.values, "nodes")
         ints["node_inverse"] = unique.inverse.reshape(-1)
         staged = _Staged(batch, len(blocks))
         if self.edge_rows and blocks and self.placement == "device" and self.edge_table is not None:
@@ -338,6 +323,9 @@ class Loader:
             if ids is not None:
                 ints["edge_unique"] = ids
         host_feats = self._host_features(batch, blocks, ints, staged)
+        if self.placement != "device" or self.edge_table is None or "edge_unique" in ints:
+            for i in range(len(blocks)):  # edge ids are read on the device by per-slot gathers only
+                del ints[f"eid{i}"]
         self._upload(staged, {"i64": ints, "f64": floats64, "f32": floats32, "bool": bools,
                               **host_feats})
         return staged
@@ -451,7 +439,7 @@ class Loader:
 
     def _expand_edges(self, staged: _Staged, layers: int) -> List[torch.Tensor]:
         """Every layer's edge features per slot, ``[M_i, k_i, d]``."""
-        shapes = [staged.tensors[f"eid{i}"].shape for i in range(layers)]
+        shapes = [staged.tensors[f"nbr{i}"].shape for i in range(layers)]
         rows, index = self._edge_table_and_index(staged, layers)
         flat = rows if index is None else rows[index]
         return [piece.view(*s, -1) for piece, s in zip(torch.split(flat, [s.numel() for s in shapes]), shapes)]
@@ -460,7 +448,7 @@ class Loader:
         """The batch's edge feature rows and each layer's ``[M_i, k_i]`` index into them
         (``GraphInputs.edge_rows`` / ``edge_index``): the unique rows where the sampler
         deduplicated the edges, else one row per slot."""
-        shapes = [staged.tensors[f"eid{i}"].shape for i in range(layers)]
+        shapes = [staged.tensors[f"nbr{i}"].shape for i in range(layers)]
         rows, index = self._edge_table_and_index(staged, layers)
         if index is None:
             index = torch.arange(rows.shape[0], device=rows.device)
@@ -477,7 +465,7 @@ class Loader:
         if "edge_rows" not in t:
             if "edge_feat" in t:
                 return torch.cat([f.reshape(-1, f.shape[-1]) for f in t["edge_feat"]]), None
-            count = sum(t[f"eid{i}"].numel() for i in range(layers))
+            count = sum(t[f"nbr{i}"].numel() for i in range(layers))
             return torch.zeros(count, 0, device=self.device), None
         return t["edge_rows"], t.get("edge_inverse")
 

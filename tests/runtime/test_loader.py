@@ -98,6 +98,27 @@ def test_dense_inputs_give_a_model_that_reads_edge_rows_the_same_output(small_gr
     torch.testing.assert_close(model(rows_inputs), model(dense), rtol=0, atol=0)
 
 
+def test_unique_ids_are_padded_to_the_largest_bucket_seen_per_kind(small_graph):
+    """On CUDA the padded length only grows (one captured shape once batches stop growing);
+    nodes and edges keep their own lengths; the padding is zeros after the ids."""
+    loader = Loader(small_graph, None, torch.device("cpu"), config())
+    assert torch.equal(loader._padded(torch.arange(5), "nodes"), torch.arange(5))  # CPU: as is
+    loader.cuda = True  # the padding rule alone (no copies are made here)
+    lengths = [loader._padded(torch.arange(n) + 1, "nodes").numel() for n in (300, 900, 400, 1100, 10)]
+    assert lengths == [320, 1024, 1024, 1280, 1280]
+    padded = loader._padded(torch.arange(3) + 1, "edges")
+    assert padded.numel() == 256 and torch.equal(padded[:3], torch.arange(3) + 1) and not padded[3:].any()
+
+
+@pytest.mark.parametrize("placement,edge_rows,travel", [("device", False, True), ("device", True, False),
+                                                         ("host", False, False)])
+def test_edge_ids_travel_only_to_per_slot_device_gathers(small_graph, placement, edge_rows, travel):
+    loader = Loader(small_graph, NumpySampler(small_graph, [3, 2], "uniform", seed=5), torch.device("cpu"),
+                    config(cache__placement=placement), edge_rows=edge_rows)
+    staged = loader.stage(next(iter(loader.plan("train", 0))))
+    assert ("eid0" in staged.tensors) is travel and ("eid1" in staged.tensors) is travel
+
+
 def test_bucket_sizes():
     assert [bucket(n) for n in (1, 256, 257, 4096, 4097, 5121)] == [256, 256, 320, 4096, 5120, 6144]
     for n in range(1, 20000, 37):
