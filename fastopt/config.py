@@ -79,6 +79,10 @@ class SamplerConfig:
     undirected: bool = True
     # move a batch's unique feature rows only (False: every sampled slot's row, duplicates included)
     dedup: bool = True
+    # models of 2+ layers: a node reached through the same event by several slots of a layer is
+    # expanded once (its neighbors sampled and its embedding computed once, read by every slot);
+    # False: once per slot (each repeat draws its own neighbors)
+    hop_dedup: bool = True
 
 
 @dataclass

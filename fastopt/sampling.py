@@ -10,7 +10,8 @@ favours obvious correctness over speed. Semantics shared with :class:`fastopt.ru
 * ``"uniform"`` returns all candidates when there are at most ``k``, else ``k`` draws with
   replacement;
 * layer ``l + 1`` samples around layer ``l``'s neighbors, each at its own edge's timestamp;
-  padded neighbors yield fully masked rows.
+  padded neighbors yield fully masked rows; with ``hop_dedup`` around the distinct
+  ``(neighbor, edge)`` pairs of layer ``l``'s valid slots (:func:`~fastopt.runtime.blocks.merge_repeats`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from fastopt.runtime.blocks import SampledBatch, TemporalBlock, Unique
+from fastopt.runtime.blocks import SampledBatch, TemporalBlock, Unique, merge_repeats
 from fastopt.runtime.validate import check_fanouts, check_graph_arrays, check_roots, check_sample_size
 
 __all__ = ["NumpySampler", "check_roots", "check_fanouts"]
@@ -35,18 +36,21 @@ class NumpySampler:
         seed: seed of uniform draws.
         undirected: add each event as a neighbor of both endpoints.
         limit: use only events ``[0, limit)`` (default: all).
+        hop_dedup: merge the repeats of a layer's slots into one destination of the next layer.
     """
 
     def __init__(self, graph, fanouts: Sequence[int] = (10,), strategy: str = "recent",
-                 seed: int = 0, undirected: bool = True, limit: int | None = None) -> None:
+                 seed: int = 0, undirected: bool = True, limit: int | None = None,
+                 hop_dedup: bool = False) -> None:
         self.fanouts = check_fanouts(fanouts, strategy)
         self.strategy = strategy
         self.num_nodes = int(graph.num_nodes)
         self.seed = int(seed)
+        self.hop_dedup = bool(hop_dedup)
         self._epoch = 0
         self._calls = 0
         src, dst, ts = check_graph_arrays(graph, limit)
-        n = src.shape[0]
+        n = self.num_edges = src.shape[0]
         eid = np.arange(n, dtype=np.int64)
         if undirected:
             node = np.concatenate([src, dst])
@@ -76,9 +80,12 @@ class NumpySampler:
         self._calls += 1
         blocks = []
         dst, dst_t, valid = roots, times, np.ones(roots.shape[0], dtype=bool)
-        for k in self.fanouts:
+        for layer, k in enumerate(self.fanouts):
             block = self._sample_layer(dst, dst_t, valid, k)
             blocks.append(block)
+            if self.hop_dedup and layer + 1 < len(self.fanouts):
+                dst, dst_t, valid = (t.numpy() for t in merge_repeats(block, self.num_edges))
+                continue
             dst = block.nbr_nodes.numpy().reshape(-1)
             dst_t = block.nbr_times.numpy().reshape(-1)
             valid = block.mask.numpy().reshape(-1)

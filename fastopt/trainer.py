@@ -50,8 +50,11 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
-def make_sampler(graph: TemporalGraph, fanouts, strategy: str, config: Config):
-    """The fastest available sampler: the compiled one when built, else the NumPy reference."""
+def make_sampler(graph: TemporalGraph, fanouts, strategy: str, config: Config, *,
+                 hop_dedup: bool = False, pad_rows: bool = False):
+    """The fastest available sampler: the compiled one when built, else the NumPy reference.
+    ``hop_dedup`` (for models that read ``GraphInputs.nbr_index``) merges repeated slots when
+    ``config.sampler.hop_dedup`` allows; ``pad_rows`` pads the merged layers (CUDA capture)."""
     if not fanouts:
         return None
     try:
@@ -62,10 +65,12 @@ def make_sampler(graph: TemporalGraph, fanouts, strategy: str, config: Config):
         s = config.sampler
         return TemporalSampler(graph, fanouts=fanouts, strategy=strategy, threads=s.threads or None,
                                seed=config.train.seed, undirected=s.undirected, reorder=s.reorder,
-                               pin_threads=s.pin_threads)
+                               pin_threads=s.pin_threads, hop_dedup=hop_dedup and s.hop_dedup,
+                               pad_rows=pad_rows)
     from fastopt.sampling import NumpySampler
 
-    return NumpySampler(graph, fanouts, strategy, seed=config.train.seed, undirected=config.sampler.undirected)
+    return NumpySampler(graph, fanouts, strategy, seed=config.train.seed, undirected=config.sampler.undirected,
+                        hop_dedup=hop_dedup and config.sampler.hop_dedup)
 
 
 def make_optimizer(params, lr: float, device: torch.device, capturable: bool = False) -> torch.optim.Optimizer:
@@ -168,7 +173,9 @@ class Trainer:
                 lambda tensors, constant: self._whole_step(tensors, *constant),
                 max_graphs=self.config.passes.max_graphs)
         self.sampler = make_sampler(graph, list(getattr(model, "fanouts", [])),
-                                    getattr(model, "strategy", "recent"), self.config)
+                                    getattr(model, "strategy", "recent"), self.config,
+                                    hop_dedup=getattr(model, "reads_nbr_index", False),
+                                    pad_rows=self.device.type == "cuda")
         self.loader = Loader(graph, self.sampler, self.device, self.config,
                              edge_rows=getattr(model, "reads_edge_rows", False))
         self.negatives = self.loader.negatives

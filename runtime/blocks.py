@@ -10,16 +10,28 @@ False); ``indptr`` (``[M + 1]``) is the CSR view of the same valid entries, so
 ``nbr_nodes[mask]`` equals the CSR column array. Padded entries hold node 0, edge -1, time 0
 and Δt 0. Layer ``l + 1``'s destinations are layer ``l``'s neighbors flattened (``M * k`` rows,
 padded ones included, whose rows are then fully masked), each at its own edge's timestamp.
+
+**Merged repeats** (``hop_dedup``): a node reached through the same event by several slots of a
+layer is one destination of the next layer, not one per slot. Layer ``l + 1``'s destinations
+are then the distinct ``(neighbor, edge)`` pairs of layer ``l``'s valid slots (sorted by node,
+then edge id), optionally followed by padding rows (copies of slot 0, never valid, so fully
+masked); block ``l`` records ``nbr_rows`` (``[M, k]``: each slot's row among layer ``l + 1``'s
+destinations, 0 for padded slots) and ``row_slots`` (for each such row, one slot it came from).
+Its embedding is computed once instead of once per repeat: under uniform sampling with
+replacement ~40 % of wikipedia's second-hop slots are distinct and valid, so the layer below
+samples and computes ~2.5x fewer rows. Every repeat reads the same sampled neighborhood (they
+would each draw their own without the merge).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
 
+import numpy as np
 import torch
 
-__all__ = ["TemporalBlock", "SampledBatch", "Unique"]
+__all__ = ["TemporalBlock", "SampledBatch", "Unique", "merge_repeats"]
 
 
 @dataclass
@@ -49,6 +61,9 @@ class TemporalBlock:
     indptr: torch.Tensor  # [M + 1] int64, CSR view of the valid entries
     unique_nodes: Optional[Unique] = None  # of nbr_nodes (all entries, padded ones included)
     unique_eids: Optional[Unique] = None  # of nbr_eids (padded -1 included)
+    # merged repeats: each slot's row among the next layer's destinations, and each row's slot
+    nbr_rows: Optional[torch.Tensor] = None  # [M, k] int64 (0 where padded)
+    row_slots: Optional[torch.Tensor] = None  # [M'] int64 flat slot index (0 for padding rows)
 
     @property
     def num_dst(self) -> int:
@@ -75,3 +90,33 @@ class SampledBatch:
     @property
     def num_layers(self) -> int:
         return len(self.blocks)
+
+
+def merge_repeats(block: TemporalBlock, num_edges: int,
+                  pad: Optional[Callable[[int], int]] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge the repeats of ``block``'s valid slots into the next layer's destinations.
+
+    Fills ``block.nbr_rows`` and ``block.row_slots`` (see the module docstring) and returns the
+    next layer's ``(nodes [M'], times [M'], valid [M'] bool)``. ``M'`` is the number of distinct
+    ``(neighbor, edge)`` pairs, at least 1, or ``pad(count)`` when given (rows past the count are
+    copies of slot 0 marked invalid).
+    """
+    mask = block.mask.numpy().reshape(-1)
+    nbr = block.nbr_nodes.numpy().reshape(-1)
+    slots = np.flatnonzero(mask)
+    key = nbr[slots] * np.int64(num_edges + 1) + block.nbr_eids.numpy().reshape(-1)[slots]
+    distinct, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    count = distinct.shape[0]
+    rows = max(count, 1) if pad is None else max(int(pad(count)), count, 1)
+    row_slots = np.zeros(rows, dtype=np.int64)
+    row_slots[:count] = slots[first]
+    nbr_rows = np.zeros(nbr.shape[0], dtype=np.int64)
+    nbr_rows[slots] = inverse.reshape(-1)
+    block.row_slots = torch.from_numpy(row_slots)
+    block.nbr_rows = torch.from_numpy(nbr_rows).view(block.mask.shape)
+    valid = np.zeros(rows, dtype=bool)
+    valid[:count] = True
+    times = block.nbr_times.numpy().reshape(-1)
+    if nbr.size == 0:  # no slots at all: padding rows of node 0 at time 0
+        return torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.float64), torch.from_numpy(valid)
+    return torch.from_numpy(nbr[row_slots]), torch.from_numpy(times[row_slots]), torch.from_numpy(valid)

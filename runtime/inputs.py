@@ -17,17 +17,23 @@ A model that declares ``reads_edge_rows = True`` receives the edges' features th
 projection of edge features then runs once per unique edge (``fastopt.optimize`` projects before
 it gathers), not once per sampled slot.
 
+A model of two or more layers that declares ``reads_nbr_index = True`` may receive merged node
+sets (``sampler.hop_dedup``, :func:`~fastopt.runtime.blocks.merge_repeats`): ``nbr_index[i]``
+(``[M_i, k_i]``) selects each slot of layer ``i`` among the rows of ``nodes[i + 1]``, which then
+holds each distinct ``(neighbor, edge)`` of layer ``i`` once (padded on CUDA) instead of one row
+per slot; ``nbr_index`` has one entry per merged layer (all but the last) and is None otherwise.
+
 Layering: imports nothing of fastopt.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
-__all__ = ["GraphInputs", "bucket"]
+__all__ = ["GraphInputs", "HighWater", "bucket"]
 
 
 @dataclass
@@ -35,7 +41,8 @@ class GraphInputs:
     """Sampled neighborhoods of a batch of roots, gathered and on the model's device.
 
     ``nodes[0]``/``times[0]`` are the roots; ``nodes[i + 1]`` are the neighbors sampled in layer
-    ``i`` (flattened ``[len(nodes[i]) * k_i]``). Layer ``i`` also has ``dt[i]``, ``mask[i]`` and
+    ``i`` (flattened ``[len(nodes[i]) * k_i]``, or their distinct rows read through
+    ``nbr_index[i]`` where the layer's repeats were merged). Layer ``i`` also has ``dt[i]``, ``mask[i]`` and
     ``edge_feat[i]`` (``[len(nodes[i]), k_i, d_edge]``). ``node_feat[i]`` holds the features of
     ``nodes[i]`` (zero width when the graph has none). ``unique_nodes`` / ``node_inverse``
     (optional) compress ``torch.cat(nodes)``: ``cat(nodes) == unique_nodes[node_inverse]``.
@@ -53,6 +60,13 @@ class GraphInputs:
     node_inverse: Optional[torch.Tensor] = None
     edge_rows: Optional[torch.Tensor] = None
     edge_index: Optional[List[torch.Tensor]] = None
+    nbr_index: Optional[List[torch.Tensor]] = None
+
+    def layer_neighbors(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """``[M_i, k_i, d]`` rows of ``h`` (one per row of ``nodes[i + 1]``) for layer ``i``'s slots."""
+        if self.nbr_index is not None and i < len(self.nbr_index):
+            return h[self.nbr_index[i]]
+        return h.view(self.dt[i].shape[0], self.dt[i].shape[1], -1)
 
     @property
     def num_roots(self) -> int:
@@ -78,3 +92,21 @@ def bucket(n: int, minimum: int = 256) -> int:
     n = max(int(n), int(minimum))
     step = 1 << max(0, n.bit_length() - 3)  # a quarter of the power of two below n, at least 1
     return -(-n // step) * step
+
+
+class HighWater:
+    """Data-dependent lengths padded to the largest :func:`bucket` seen so far, per kind.
+
+    A monotone length gives a captured step one shape for the rest of the run once the batches
+    stop growing (a batch's unique count rises as the history fills and varies from batch to
+    batch; per-batch buckets made a dozen shapes per epoch, more than the graphs kept, and the
+    captures evicted each other every epoch). Padded rows cost the per-row work of at most the
+    largest batch seen.
+    """
+
+    def __init__(self) -> None:
+        self.lengths: Dict[str, int] = {}
+
+    def __call__(self, kind: str, n: int) -> int:
+        self.lengths[kind] = length = max(self.lengths.get(kind, 0), bucket(n))
+        return length

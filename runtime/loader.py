@@ -52,7 +52,7 @@ import torch
 from fastopt.config import Config
 from fastopt.errors import ConfigError
 from fastopt.runtime.blocks import SampledBatch, Unique
-from fastopt.runtime.inputs import GraphInputs, bucket
+from fastopt.runtime.inputs import GraphInputs, HighWater
 
 __all__ = ["EventBatch", "Loader", "NegativeSampler", "StageTimer", "SPLIT_IDS"]
 
@@ -213,7 +213,7 @@ class Loader:
 
             self.cache = SlimCache({"edge": CacheTable(self.edge_table)}, self.device, config.cache)
         self.bytes_h2d = 0  # bytes copied host -> device since construction
-        self.padded_rows = {"nodes": 0, "edges": 0}  # padded unique lengths: only grow (_padded)
+        self.high_water = HighWater()  # padded unique lengths: only grow (_padded)
 
     def bytes_moved(self) -> int:
         """Bytes copied host -> device so far: staged batches and the cache's misses."""
@@ -273,15 +273,10 @@ class Loader:
 
     def _padded(self, ids: torch.Tensor, kind: str) -> torch.Tensor:
         """``ids`` (a batch's unique node or edge ids, ``kind`` "nodes" or "edges") padded with
-        zeros on CUDA to the largest bucketed length seen so far for that kind. A monotone length
-        gives a captured step one shape for the rest of the run once the batches stop growing (a
-        batch's unique count rises as the history fills and varies from batch to batch;
-        per-batch buckets made a dozen shapes per epoch, more than the graphs kept, and the
-        captures evicted each other every epoch). Padded rows cost the per-row work of at most
-        the largest batch seen."""
+        zeros on CUDA to the kind's high-water length (:class:`~fastopt.runtime.inputs.HighWater`)."""
         if not self.cuda:
             return ids
-        self.padded_rows[kind] = length = max(self.padded_rows[kind], bucket(ids.numel()))
+        length = self.high_water(kind, ids.numel())
         return torch.cat([ids, ids.new_zeros(length - ids.numel())]) if length > ids.numel() else ids
 
     def _unique_edge_ids(self, batch: EventBatch, ints: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
@@ -307,16 +302,17 @@ class Loader:
         floats32: Dict[str, torch.Tensor] = {}
         bools: Dict[str, torch.Tensor] = {}
         for i, block in enumerate(blocks):
-            ints[f"nbr{i}"] = block.nbr_nodes
+            ints[f"set{i + 1}"], floats64[f"stime{i + 1}"] = _node_set(blocks, i + 1)
             ints[f"eid{i}"] = block.nbr_eids
-            floats64[f"ntime{i}"] = block.nbr_times
             floats32[f"dt{i}"] = block.dt
             bools[f"mask{i}"] = block.mask
+            if block.nbr_rows is not None:
+                ints[f"rows{i}"] = block.nbr_rows
         unique = sampled.unique_nodes if sampled is not None else None
         if unique is None:
             unique = Unique.of(ints["roots"])
         ints["unique_nodes"] = self._padded(unique.values, "nodes")
-        ints["node_inverse"] = unique.inverse.reshape(-1)
+        ints["node_inverse"] = _set_inverse(unique.inverse.reshape(-1), ints["roots"].numel(), blocks)
         staged = _Staged(batch, len(blocks))
         if self.edge_rows and blocks and self.placement == "device" and self.edge_table is not None:
             ids = self._unique_edge_ids(batch, ints)
@@ -336,7 +332,7 @@ class Loader:
             return {}
         out: Dict[str, Dict[str, torch.Tensor]] = {}
         if self.node_table is not None:
-            ids = torch.cat([ints["roots"]] + [ints[f"nbr{i}"].reshape(-1) for i in range(len(blocks))])
+            ids = torch.cat([ints["roots"]] + [ints[f"set{i + 1}"] for i in range(len(blocks))])
             out["node_rows"] = {"node_rows": self._gather_host(self.node_table, ids)}
         if self.edge_table is not None:
             rows = {"event_rows": self.edge_table[batch.start:batch.stop]}
@@ -387,9 +383,8 @@ class Loader:
     def _gather_device(self, staged: _Staged) -> None:
         """Per-slot feature rows from device tables (on the stream this is called on)."""
         t, batch = staged.tensors, staged.batch
-        sets = [t["roots"]] + [t[f"nbr{i}"].reshape(-1) for i in range(staged.layers)]
         if self.node_table is not None:
-            t["node_feat"] = [self.node_table[n.clamp(min=0)] for n in sets]
+            t["node_feat"] = [self.node_table[n.clamp(min=0)] for n in _sets(t, staged.layers)]
         if self.edge_table is not None:
             if "edge_unique" in t:
                 t["edge_rows"] = self.edge_table[t["edge_unique"]]
@@ -409,8 +404,9 @@ class Loader:
         if self.placement == "device" and not self.cuda:
             self._gather_device(staged)
         layers = staged.layers
-        nodes = [t["roots"]] + [t[f"nbr{i}"].reshape(-1) for i in range(layers)]
-        times = [t["times"]] + [t[f"ntime{i}"].reshape(-1) for i in range(layers)]
+        nodes = _sets(t, layers)
+        times = [t["times"]] + [t[f"stime{i + 1}"] for i in range(layers)]
+        nbr_index = [t[f"rows{i}"] for i in range(layers) if f"rows{i}" in t] or None
         dt = [t[f"dt{i}"] for i in range(layers)]
         mask = [t[f"mask{i}"] for i in range(layers)]
         node_feat = t.get("node_feat")
@@ -429,7 +425,7 @@ class Loader:
             batch.event_feat = torch.zeros(batch.size, 0, device=self.device)
         batch.inputs = GraphInputs(nodes, times, node_feat, edge_feat, dt, mask,
                                    unique_nodes=t["unique_nodes"], node_inverse=t["node_inverse"],
-                                   edge_rows=edge_rows, edge_index=edge_index)
+                                   edge_rows=edge_rows, edge_index=edge_index, nbr_index=nbr_index)
         return batch
 
     def _expand_nodes(self, t, nodes: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -439,7 +435,7 @@ class Loader:
 
     def _expand_edges(self, staged: _Staged, layers: int) -> List[torch.Tensor]:
         """Every layer's edge features per slot, ``[M_i, k_i, d]``."""
-        shapes = [staged.tensors[f"nbr{i}"].shape for i in range(layers)]
+        shapes = [staged.tensors[f"mask{i}"].shape for i in range(layers)]
         rows, index = self._edge_table_and_index(staged, layers)
         flat = rows if index is None else rows[index]
         return [piece.view(*s, -1) for piece, s in zip(torch.split(flat, [s.numel() for s in shapes]), shapes)]
@@ -448,7 +444,7 @@ class Loader:
         """The batch's edge feature rows and each layer's ``[M_i, k_i]`` index into them
         (``GraphInputs.edge_rows`` / ``edge_index``): the unique rows where the sampler
         deduplicated the edges, else one row per slot."""
-        shapes = [staged.tensors[f"nbr{i}"].shape for i in range(layers)]
+        shapes = [staged.tensors[f"mask{i}"].shape for i in range(layers)]
         rows, index = self._edge_table_and_index(staged, layers)
         if index is None:
             index = torch.arange(rows.shape[0], device=rows.device)
@@ -465,9 +461,34 @@ class Loader:
         if "edge_rows" not in t:
             if "edge_feat" in t:
                 return torch.cat([f.reshape(-1, f.shape[-1]) for f in t["edge_feat"]]), None
-            count = sum(t[f"nbr{i}"].numel() for i in range(layers))
+            count = sum(t[f"mask{i}"].numel() for i in range(layers))
             return torch.zeros(count, 0, device=self.device), None
         return t["edge_rows"], t.get("edge_inverse")
+
+
+def _node_set(blocks, j: int):
+    """Node set ``S_j`` (``j >= 1``) of a sampled batch and its times: the next block's
+    destinations where layer ``j - 1``'s repeats were merged, else layer ``j - 1``'s slots."""
+    if blocks[j - 1].nbr_rows is not None:
+        return blocks[j].dst_nodes, blocks[j].dst_times
+    return blocks[j - 1].nbr_nodes.reshape(-1), blocks[j - 1].nbr_times.reshape(-1)
+
+
+def _set_inverse(inverse: torch.Tensor, num_roots: int, blocks) -> torch.Tensor:
+    """The batch's node inverse (laid out over the roots and every layer's slots) laid out over
+    the node sets: a merged layer's set reads the inverse of the slot each of its rows came from."""
+    if all(b.nbr_rows is None for b in blocks):
+        return inverse
+    parts, start = [inverse[:num_roots]], num_roots
+    for block in blocks:
+        seg = inverse[start:start + block.mask.numel()]
+        start += block.mask.numel()
+        parts.append(seg if block.nbr_rows is None else seg[block.row_slots])
+    return torch.cat(parts)
+
+
+def _sets(t: Dict[str, torch.Tensor], layers: int) -> List[torch.Tensor]:
+    return [t["roots"]] + [t[f"set{i + 1}"] for i in range(layers)]
 
 
 class EpochStream:

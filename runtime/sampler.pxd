@@ -97,6 +97,8 @@ cdef class TemporalSampler:
     cdef readonly str reorder
     cdef readonly bint pin_threads
     cdef readonly bint dedup
+    cdef readonly bint hop_dedup
+    cdef object _high_water
     cdef readonly object placement
 
     cdef int _num_tasks(self)

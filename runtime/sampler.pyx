@@ -46,7 +46,8 @@ from libc.string cimport memcpy
 from fastopt import config as fconfig
 from fastopt.config import default_config
 from fastopt.errors import SamplerError
-from fastopt.runtime.blocks import SampledBatch, TemporalBlock, Unique
+from fastopt.runtime.blocks import SampledBatch, TemporalBlock, Unique, merge_repeats
+from fastopt.runtime.inputs import HighWater
 from fastopt.runtime.reorder import node_rows
 from fastopt.runtime.topology import plan_placement, read_topology, static_chunks
 from fastopt.runtime.validate import (check_fanouts, check_graph_arrays, check_roots, check_sample_size,
@@ -388,6 +389,12 @@ cdef class TemporalSampler:
         dedup: fill the ``unique_nodes``/``unique_eids`` fields of every block and of the batch
             (default: the config's).
         limit: use only events ``[0, limit)`` (e.g. ``graph.train_end``); default all.
+        hop_dedup: merge the repeats of a layer's slots into one destination of the next layer
+            (:func:`~fastopt.runtime.blocks.merge_repeats`): for consumers that read
+            ``nbr_rows``; the trainer turns it on for models that declare ``reads_nbr_index``
+            when ``sampler.hop_dedup`` allows. With one layer there is nothing to merge.
+        pad_rows: pad merged layers' destinations to their high-water bucketed length (a
+            captured CUDA step then sees few shapes).
 
     Call :meth:`reset` at the start of every epoch: it rewinds the per-node time pointers and
     advances the epoch of the random draws. Not reentrant: concurrent calls are serialized.
@@ -422,7 +429,8 @@ cdef class TemporalSampler:
         free(self._cpus)
 
     def __init__(self, graph, fanouts=(10, 10), strategy="recent", threads=None, seed=0,
-                 undirected=None, reorder=None, pin_threads=None, dedup=None, limit=None):
+                 undirected=None, reorder=None, pin_threads=None, dedup=None, limit=None,
+                 hop_dedup=False, pad_rows=False):
         cfg = default_config().sampler
         self.fanouts = check_fanouts(fanouts, strategy)
         self.strategy = strategy
@@ -437,6 +445,8 @@ cdef class TemporalSampler:
         self.reorder = cfg.reorder if reorder is None else reorder
         self.pin_threads = bool(cfg.pin_threads if pin_threads is None else pin_threads)
         self.dedup = bool(cfg.dedup if dedup is None else dedup)
+        self.hop_dedup = bool(hop_dedup)
+        self._high_water = HighWater() if pad_rows else None
         self.placement = None
         self._lock = threading.Lock()
         self._uniform = strategy == "uniform"
@@ -581,20 +591,19 @@ cdef class TemporalSampler:
             self.placement.reason = "the OS refused to pin threads; left them unpinned"
 
     cdef _sample(self, roots, times):
-        """Every layer and every dedup of one batch, in one section without the GIL (so the
-        OpenMP threads go from one parallel loop to the next without waiting on Python)."""
+        """Every layer, then every dedup of one batch. Each layer's rows are sampled in one
+        section without the GIL; merged repeats (``hop_dedup``) are found between layers."""
         cdef int L = self._num_layers, l, nth = self._nthreads, nt = 0, ti
         cdef int64_t m = roots.shape[0], i, err = 0, k, total = 0
-        cdef Layer* layers = <Layer*>calloc(L, sizeof(Layer))
-        cdef int64_t** hints = <int64_t**>calloc(L, sizeof(int64_t*))
+        cdef Layer layer
+        cdef Layer* c = &layer
         cdef Task* tasks = NULL
         cdef Seg* segs = NULL
-        cdef Layer* c
         cdef uint64_t key = _mix(self._key ^ _mix(self._epoch * <uint64_t>0x9E3779B97F4A7C15ULL
                                                   + self._batch))
         self._batch += 1
         blocks = []
-        dst, dst_t, valid = roots, times, None
+        dst, dst_t, valid, hint = roots, times, None, None
         try:
             for l in range(L):
                 k = self._fanout[l]
@@ -604,7 +613,8 @@ cdef class TemporalSampler:
                 dt = torch.empty((m, k), dtype=torch.float32)
                 mask = torch.empty((m, k), dtype=torch.bool)
                 indptr = torch.empty(m + 1, dtype=torch.int64)
-                c = &layers[l]
+                # the twin entries the next layer starts from (undirected graphs)
+                next_hint = torch.empty(m * k, dtype=torch.int64) if l + 1 < L and self.undirected else None
                 c.edges = self._edges
                 c.indptr = self._indptr
                 c.ptr = self._ptr if l == 0 else NULL
@@ -612,12 +622,8 @@ cdef class TemporalSampler:
                 c.dst = <int64_t*>_ptr(dst)
                 c.dst_t = <double*>_ptr(dst_t)
                 c.valid = NULL if valid is None else <uint8_t*>_ptr(valid)
-                c.hint = NULL if l == 0 else hints[l - 1]
-                if l + 1 < L and self.undirected:
-                    hints[l] = <int64_t*>malloc(m * k * sizeof(int64_t))
-                    if hints[l] == NULL:
-                        raise MemoryError(f"no memory for {m * k} sampled entries")
-                c.next_hint = hints[l]
+                c.hint = NULL if hint is None else <int64_t*>_ptr(hint)
+                c.next_hint = NULL if next_hint is None else <int64_t*>_ptr(next_hint)
                 c.num_nodes = self._num_nodes
                 c.m = m
                 c.k = k
@@ -629,44 +635,45 @@ cdef class TemporalSampler:
                 c.dt = <float*>_ptr(dt)
                 c.mask = <uint8_t*>_ptr(mask)
                 c.out_indptr = <int64_t*>_ptr(indptr)
-                blocks.append(TemporalBlock(dst, dst_t, nbr, eid, nts, dt, mask, indptr))
-                dst, dst_t, valid = nbr.view(-1), nts.view(-1), mask.view(-1)
+                with nogil:
+                    for i in prange(c.m, schedule="static", num_threads=nth, use_threads_if=c.m >= 256):
+                        err += _sample_row(c, i)
+                    if not err:
+                        c.out_indptr[0] = 0
+                        for i in range(c.m):
+                            c.out_indptr[i + 1] += c.out_indptr[i]
+                if err:
+                    return None
+                block = TemporalBlock(dst, dst_t, nbr, eid, nts, dt, mask, indptr)
+                blocks.append(block)
                 total += m * k
-                m *= k
+                if l + 1 == L:
+                    break
+                if self.hop_dedup:
+                    pad = None if self._high_water is None else (lambda n, l=l: self._high_water(f"hop{l}", n))
+                    dst, dst_t, valid = merge_repeats(block, self._num_edges, pad)
+                    if next_hint is not None:  # no slots at all: padding rows, never read
+                        hint = next_hint[block.row_slots] if next_hint.numel() else torch.zeros_like(dst)
+                else:
+                    dst, dst_t, valid, hint = nbr.view(-1), nts.view(-1), mask.view(-1), next_hint
+                m = dst.shape[0]
             if self.dedup:
                 nt = self._num_tasks()
                 tasks = <Task*>calloc(nt, sizeof(Task))
                 segs = <Seg*>calloc(4 * L + 1, sizeof(Seg))
                 outputs = self._plan_dedup(roots, blocks, tasks, segs)
-            with nogil:
-                for l in range(L):
-                    c = &layers[l]
-                    for i in prange(c.m, schedule="static", num_threads=nth,
-                                    use_threads_if=c.m >= 256):
-                        err += _sample_row(c, i)
-                    if err:
-                        break
-                    c.out_indptr[0] = 0
-                    for i in range(c.m):
-                        c.out_indptr[i + 1] += c.out_indptr[i]
-                if not err and nt:
+                with nogil:
                     for ti in prange(2 * L, schedule="dynamic", chunksize=1, num_threads=nth,
                                      use_threads_if=total >= 4096):
                         _dedup_task(&tasks[ti], segs)
                     for ti in prange(2 * L, nt, schedule="dynamic", chunksize=1, num_threads=nth,
                                      use_threads_if=total >= 4096 and nt - 2 * L > 1):
                         _dedup_task(&tasks[ti], segs)
-            if err:
-                return None
             batch = SampledBatch(roots, times, blocks)
             if nt:
                 self._attach_dedup(batch, tasks, outputs)
             return batch
         finally:
-            for l in range(L):
-                free(hints[l])
-            free(hints)
-            free(layers)
             free(tasks)
             free(segs)
 

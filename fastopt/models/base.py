@@ -26,6 +26,9 @@ class TGNNModel(nn.Module):
     strategy: str = "recent"
     # Layers take each layer's edge features as (unique rows, [M, k] index) instead of per slot.
     reads_edge_rows: bool = False
+    # Embeddings of a layer's neighbors are read through GraphInputs.nbr_index where the loader
+    # merged repeated slots (:meth:`propagate` does; a subclass that reads nodes per slot sets False).
+    reads_nbr_index: bool = True
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -41,14 +44,15 @@ class TGNNModel(nn.Module):
 
         ``h[i]`` holds the layer-0 representation of ``inputs.nodes[i]``; returns ``h^L(S_0)``.
         With :attr:`reads_edge_rows` each layer also gets ``(edge rows, index)`` in place of the
-        per-slot edge features (:meth:`GraphInputs.layer_edges`).
+        per-slot edge features (:meth:`GraphInputs.layer_edges`); neighbors' rows are read
+        through :meth:`GraphInputs.layer_neighbors` (merged repeats read one row many times).
         """
         num_layers = len(self.fanouts)
         edges = [inputs.layer_edges(i) if self.reads_edge_rows else (inputs.edge_feat[i],)
                  for i in range(num_layers)]
         for j, layer in enumerate(self.layers):
             h = [
-                layer(h[i], h[i + 1].view(h[i].shape[0], self.fanouts[i], -1), edges[i][0],
+                layer(h[i], inputs.layer_neighbors(i, h[i + 1]), edges[i][0],
                       inputs.dt[i], inputs.mask[i], *edges[i][1:])
                 for i in range(num_layers - j)
             ]

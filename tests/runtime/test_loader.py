@@ -98,6 +98,41 @@ def test_dense_inputs_give_a_model_that_reads_edge_rows_the_same_output(small_gr
     torch.testing.assert_close(model(rows_inputs), model(dense), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name,placement", [("tgat", "device"), ("tgat", "host"), ("tgn", "device")])
+def test_merged_repeats_give_the_per_slot_outputs(small_graph, name, placement):
+    """With ``hop_dedup`` a repeated neighbor is one row read by every slot that reached it: the
+    inputs are consistent (unique nodes rebuild every set) and, where the draws are deterministic
+    ("recent"), the model's output and gradients are those of the per-slot inputs."""
+    cfg = config(cache__placement=placement)
+    torch.manual_seed(0)
+    model = build_model(name, small_graph, **{**TINY[name], "fanouts": (3, 2)}).eval()
+    loaders = [Loader(small_graph, NumpySampler(small_graph, [3, 2], "recent", hop_dedup=merge),
+                      torch.device("cpu"), cfg, edge_rows=model.reads_edge_rows) for merge in (True, False)]
+    for batch in list(loaders[0].plan("train", 0))[3:5]:
+        merged, plain = (loader.inputs_for(batch.roots, batch.times) for loader in loaders)
+        assert len(merged.nbr_index) == 1 and plain.nbr_index is None
+        assert merged.nodes[1].numel() < plain.nodes[1].numel()
+        assert torch.equal(merged.unique_nodes[merged.node_inverse], torch.cat(merged.nodes))
+        outs = []
+        for inputs in (merged, plain):
+            model.zero_grad()
+            model.reset_state()
+            out = model(inputs)
+            out.square().sum().backward()
+            outs.append((out, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+        torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-6)
+        for a, b in zip(outs[0][1], outs[1][1], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_trainer_merges_repeats_for_models_that_read_the_index(small_graph):
+    t = Trainer(build_model("tgat", small_graph, **TINY["tgat"]), small_graph, config(), progress=False)
+    assert t.sampler.hop_dedup and t.build_inputs(small_graph.src[:50], small_graph.ts[:50] + 1).nbr_index
+    off = Trainer(build_model("tgat", small_graph, **TINY["tgat"]), small_graph,
+                  config(sampler__hop_dedup=False), progress=False)
+    assert not off.sampler.hop_dedup
+
+
 def test_unique_ids_are_padded_to_the_largest_bucket_seen_per_kind(small_graph):
     """On CUDA the padded length only grows (one captured shape once batches stop growing);
     nodes and edges keep their own lengths; the padding is zeros after the ids."""

@@ -108,6 +108,57 @@ def test_recent_chronological_batches_use_pointers_then_reset(data, graph):
         assert fast.epoch == epoch + 1
 
 
+def assert_merge_expands_to(merged, plain):
+    """Every valid slot of a merged layer reads, through ``nbr_rows``, a next-layer row with the
+    slot's node and time and the very neighbors the unmerged sampler gives that slot; each
+    distinct (neighbor, edge) is one row, and every row before the padding is read."""
+    m, p = merged.blocks[0], plain.blocks[0]
+    nxt_m, nxt_p = merged.blocks[1], plain.blocks[1]
+    valid = p.mask.reshape(-1)
+    rows = m.nbr_rows.reshape(-1)[valid]
+    count = int(rows.max()) + 1 if rows.numel() else 0
+    assert torch.equal(rows.unique(), torch.arange(count))
+    assert torch.equal(nxt_m.dst_nodes[rows], p.nbr_nodes.reshape(-1)[valid])
+    assert torch.equal(nxt_m.dst_times[rows], p.nbr_times.reshape(-1)[valid])
+    for name in ("nbr_nodes", "nbr_eids", "nbr_times", "dt", "mask"):
+        assert torch.equal(getattr(nxt_m, name)[rows], getattr(nxt_p, name)[valid]), name
+    pairs = torch.stack([nxt_m.dst_nodes[:count], m.nbr_eids.reshape(-1)[m.row_slots[:count]]])
+    assert torch.unique(pairs, dim=1).shape[1] == count
+
+
+@SETTINGS
+@given(data=st.data(), graph=graphs(), fanouts=st.sampled_from([[2, 3], [3, 2, 2]]),
+       undirected=st.booleans(), threads=st.sampled_from([1, 2]))
+def test_merged_repeats_equal_oracle_and_expand_to_the_unmerged_sample(data, graph, fanouts, undirected, threads):
+    roots, times = data.draw(queries(graph))
+    fast = TemporalSampler(graph, fanouts, "recent", threads=threads, undirected=undirected, hop_dedup=True)
+    ref = NumpySampler(graph, fanouts, "recent", undirected=undirected, hop_dedup=True)
+    plain = NumpySampler(graph, fanouts, "recent", undirected=undirected)
+    a, b = fast.sample(roots, times), ref.sample(roots, times)
+    assert_blocks_equal(a, b)
+    assert_uniques(a)
+    for x, y in zip(a.blocks[:-1], b.blocks[:-1]):
+        assert torch.equal(x.nbr_rows, y.nbr_rows) and torch.equal(x.row_slots, y.row_slots)
+    assert a.blocks[-1].nbr_rows is None
+    if len(fanouts) == 2:  # a deeper merge changes what the layer below the second samples
+        assert_merge_expands_to(a, plain.sample(roots, times))
+
+
+def test_merged_rows_are_padded_to_a_high_water_length(wikipedia):
+    s = TemporalSampler(wikipedia, [10, 10], "uniform", threads=1, hop_dedup=True, pad_rows=True)
+    lengths = []
+    for start in (0, 20_000, 5_000):
+        roots, times = wikipedia.src[start:start + 300], wikipedia.ts[start:start + 300]
+        batch = s.sample(roots, times)
+        first = batch.blocks[0]
+        count = int(first.nbr_rows[first.mask].max()) + 1 if first.mask.any() else 0
+        rows = batch.blocks[1].num_dst
+        assert rows >= count and rows == first.row_slots.numel()
+        assert not batch.blocks[1].mask[count:].any()  # padding rows are never valid
+        lengths.append(rows)
+    assert lengths == sorted(lengths) and lengths[2] == lengths[1]  # only grows
+
+
 # ---------------------------------------------------------------------------- "uniform"
 @SETTINGS
 @given(data=st.data(), graph=graphs(), k=st.integers(1, 5), undirected=st.booleans())
