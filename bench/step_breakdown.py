@@ -89,7 +89,7 @@ def breakdown(fast, inputs, warmup: int, iters: int) -> dict:
             marks[f"{name}_exit"] = time.perf_counter()
         return wrapper
 
-    from fastopt.passes import graphs as graph_module
+    from fastopt.runtime import capture as graph_module  # where a replay copies its inputs
 
     copy = graph_module._copy_grouped
 

@@ -43,7 +43,7 @@ def optimize(model: nn.Module, *, config: Union[str, Config, dict, None] = "auto
 
     On CUDA, the optimized model's forward and backward are captured in CUDA graphs, one pair per
     call signature (``config.passes.cuda_graphs``, ``max_graphs``; see
-    :mod:`fastopt.passes.graphs`): the whole model where its forward can be captured, else its
+    :mod:`fastopt.runtime.graphs`): the whole model where its forward can be captured, else its
     rewritten layers. The report's ``cuda graphs`` section says what was captured and why not.
 
     Returns:

@@ -36,7 +36,7 @@ from torch.autograd.function import once_differentiable
 
 from fastopt import codegen
 from fastopt.config import default_config
-from fastopt.passes import graphs
+from fastopt.runtime import capturing
 
 __all__ = [
     "AttentionLayout",
@@ -613,7 +613,7 @@ def fused_time_encode(dt: Tensor, linear: torch.nn.Linear, *, site: str = "") ->
     while a CUDA graph is being captured (``config.passes.fuse_time_encoding``)."""
     w = linear.weight
     mode = default_config().passes.fuse_time_encoding
-    fuse = mode == "always" or (mode == "graphs" and dt.is_cuda and graphs.capturing())
+    fuse = mode == "always" or (mode == "graphs" and dt.is_cuda and capturing())
     if fuse and dt.dtype == w.dtype and w.shape[1] == 1 and dt.is_floating_point():
         b = linear.bias if linear.bias is not None else w.new_zeros(w.shape[0])
         _record(site, (w.shape[0],))
@@ -888,7 +888,7 @@ def _bias_grad(bias: Optional[Tensor]) -> str:
     if bias is None:
         return "torch"
     mode = default_config().passes.bias_grad_kernel
-    if mode == "always" or (mode == "graphs" and bias.is_cuda and graphs.capturing()):
+    if mode == "always" or (mode == "graphs" and bias.is_cuda and capturing()):
         return "column_sum"
     return "torch"
 

@@ -22,12 +22,12 @@ from torch import fx, nn
 from fastopt.config import patch
 from fastopt.errors import TraceError
 from fastopt.passes import lowering
-from fastopt.passes.graphs import attach_graph_runners
 from fastopt.passes.manager import PassManager
 from fastopt.passes.pipeline import default_pipeline
 from fastopt.passes.report import LeftAlone, RewriteReport, Verification
 from fastopt.passes.tracing import is_builtin_leaf, trace
 from fastopt.passes.verify import verified_call
+from fastopt.runtime import attach_graph_runners
 
 __all__ = ["optimize_module", "OptimizedForward"]
 

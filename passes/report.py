@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
 from fastopt.codegen import attention_mapping
+from fastopt.runtime import GraphCapture
 
-__all__ = ["Rewrite", "LeftAlone", "GraphCapture", "Verification", "RewriteReport"]
+__all__ = ["Rewrite", "LeftAlone", "Verification", "RewriteReport"]
 
 
 @dataclass
@@ -53,33 +54,6 @@ class LeftAlone:
 
 
 @dataclass
-class GraphCapture:
-    """CUDA-graph state of one module of the optimized model (updated as it runs).
-
-    Attributes:
-        where: Module path (``<root>`` for the model).
-        state: ``"waiting for a CUDA call"``, ``"captured"``, ``"not captured"`` or ``"off"``.
-        reason: Why it is not captured (a failed capture turns the module's graphs off).
-        graphs: Forward/backward graph pairs held now (one per call signature).
-        captures: Captures made so far.
-        evictions: Graph pairs dropped to stay within ``config.passes.max_graphs``.
-    """
-
-    where: str
-    state: str = "waiting for a CUDA call"
-    reason: str = ""
-    graphs: int = 0
-    captures: int = 0
-    evictions: int = 0
-
-    def __str__(self) -> str:
-        if self.state == "captured":
-            return (f"{self.where}  captured: {self.graphs} graph pair(s) held, "
-                    f"{self.captures} capture(s), {self.evictions} evicted")
-        return f"{self.where}  {self.state}" + (f": {self.reason}" if self.reason else "")
-
-
-@dataclass
 class Verification:
     """``verify=True``: what was compared against eager for one rewritten module, and the result.
 
@@ -116,8 +90,8 @@ class RewriteReport:
         rewrites: Every rewrite applied.
         left_alone: Every candidate or module left as it was, with the reason.
         passes: Names of the passes in the pipeline, in order.
-        graphs: CUDA-graph state of the root and of each rewritten module (see
-            :mod:`fastopt.passes.graphs`), filled in as the optimized model runs.
+        graphs: CUDA-graph state of the root and of each rewritten module: the records their
+            graph runners keep up to date as the optimized model runs (:mod:`fastopt.runtime.graphs`).
         verifications: With ``verify=True``, each rewritten module's comparisons against its
             eager forward (filled in by its first calls).
         site_shapes: The shape each rewrite site ran with first, by site (``None`` before its first

@@ -1,4 +1,6 @@
-"""fastopt.runtime: temporal neighbor sampling, SlimCache, the loader and its ``GraphInputs``.
+"""fastopt.runtime: temporal neighbor sampling, SlimCache, the loader and its ``GraphInputs``, and
+CUDA-graph capture and replay (of a module's calls, ``graphs.py``; of whole training steps,
+``step_graph.py``).
 
 Layering: this package imports nothing of fastopt but :mod:`fastopt.config` and
 :mod:`fastopt.errors`; it never imports ``fastopt.passes``, ``fastopt.models`` or the trainer.
@@ -10,7 +12,9 @@ from fastopt.runtime.sampler import OPENMP, TemporalSampler
 from fastopt.runtime.cache_policy import BeladyResult, belady_optimum
 from fastopt.runtime.slimcache import CacheCounters, CacheTable, PendingRows, SlimCache, UniqueRows
 from fastopt.runtime.loader import EventBatch, Loader, NegativeSampler, StageTimer
+from fastopt.runtime.graphs import GraphCapture, GraphRunner, attach_graph_runners, capturing
 
 __all__ = ["SampledBatch", "TemporalBlock", "Unique", "SlimCache", "CacheTable", "UniqueRows",
            "PendingRows", "CacheCounters", "BeladyResult", "belady_optimum", "TemporalSampler", "OPENMP",
-           "GraphInputs", "EventBatch", "Loader", "NegativeSampler", "StageTimer"]
+           "GraphInputs", "EventBatch", "Loader", "NegativeSampler", "StageTimer", "GraphCapture",
+           "GraphRunner", "attach_graph_runners", "capturing"]

@@ -1,5 +1,5 @@
-"""CUDA graphs of optimized models: flattening, signatures, the LRU, fallbacks, and on a GPU the
-captured forward/backward against eager."""
+"""CUDA graphs of optimized models (fastopt.runtime.graphs, capture, flatten): flattening,
+signatures, the LRU, fallbacks, and on a GPU the captured forward/backward against eager."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from fastopt.config import patch
 from fastopt.errors import ConfigError, TraceError
 from fastopt.models import TGAT, TGN, GraphInputs
 from fastopt.models.layers import TemporalAttention
-from fastopt.passes import graphs
-from fastopt.passes.graphs import Uncapturable, call_signature, flatten, unflatten
+from fastopt.runtime import capture, graphs
+from fastopt.runtime.capture import Uncapturable
+from fastopt.runtime.flatten import flatten, unflatten
+from fastopt.runtime.graphs import call_signature
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -172,7 +174,7 @@ class _FakeGraphs:
 def fake_capture(monkeypatch):
     _FakeGraphs.captured = []
     monkeypatch.setattr(graphs, "_where_tensors_are", lambda tensors: None)
-    monkeypatch.setattr(graphs, "_Graphs", _FakeGraphs)
+    monkeypatch.setattr(graphs, "GraphPair", _FakeGraphs)
     return _FakeGraphs
 
 
@@ -243,7 +245,7 @@ def test_a_failed_capture_falls_back_and_is_reported(monkeypatch):
     def refuse(*args):
         raise RuntimeError("operation not permitted when stream is capturing\nmore text")
 
-    monkeypatch.setattr(graphs._Graphs, "capture", classmethod(lambda cls, *a: refuse()))
+    monkeypatch.setattr(graphs.GraphPair, "capture", classmethod(lambda cls, *a: refuse()))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     fast = _layer()
     args = _layer_args(3)
@@ -269,11 +271,11 @@ def test_attribute_writes_are_detected():
             return self.lin(x)
 
     w = Writer()
-    before = graphs._snapshot(w)
-    assert graphs._attribute_writes(before) == []
+    before = capture._snapshot(w)
+    assert capture._attribute_writes(before) == []
     x = torch.randn(1, 2)
     w(x)
-    assert graphs._attribute_writes(before) == [(w, "last", x)]
+    assert capture._attribute_writes(before) == [(w, "last", x)]
 
 
 def test_tensor_attribute_writes_are_redone_and_others_refuse_capture():
@@ -287,7 +289,7 @@ def test_tensor_attribute_writes_are_redone_and_others_refuse_capture():
     cpu = torch.device("cpu")
     x = torch.randn(3)
     y = x * 2
-    writes, refused = graphs.replayable_writes([(k, "kept", (x, [y, None]))], cpu)
+    writes, refused = capture.replayable_writes([(k, "kept", (x, [y, None]))], cpu)
     assert refused is None
     ((module, key, value),) = writes
     assert module is k and key == "kept"
@@ -298,15 +300,15 @@ def test_tensor_attribute_writes_are_redone_and_others_refuse_capture():
                          ((k, "kept", (x, loss)), "Keeper.kept"),
                          ((k, "kept", {"a": x}), "Keeper.kept"),
                          ((k, "_buffers.buf", torch.ones(2)), "Keeper.buf"),
-                         ((k, "kept", graphs._Backward), "Keeper.kept")]:
-        assert graphs.replayable_writes([change], cpu) == ([], name)
+                         ((k, "kept", capture._Backward), "Keeper.kept")]:
+        assert capture.replayable_writes([change], cpu) == ([], name)
     meta = torch.empty(2, device="meta")
-    assert graphs.replayable_writes([(k, "kept", meta)], cpu) == ([], "Keeper.kept")
+    assert capture.replayable_writes([(k, "kept", meta)], cpu) == ([], "Keeper.kept")
 
 
 def test_a_forward_reading_its_own_earlier_write_fails_during_capture():
     """The stand-in for a warm-up's write is no tensor: recurrent state read back fails the capture."""
-    state = graphs._WrittenByForward()
+    state = capture._WrittenByForward()
     with pytest.raises(TypeError):
         state + torch.ones(2)
     with pytest.raises(TypeError):
@@ -482,8 +484,6 @@ def test_dropout_masks_differ_between_replays():
 def test_capturing_covers_a_runners_warm_ups():
     """What a capture will launch must also run in its warm-ups (compiled and loaded outside
     the capture): code that switches on graphs.capturing() sees the warm-ups as captured."""
-    from fastopt.passes import graphs
-
     assert not graphs.capturing()
     graphs._LOCAL.depth = getattr(graphs._LOCAL, "depth", 0) + 1
     try:
@@ -496,13 +496,11 @@ def test_capturing_covers_a_runners_warm_ups():
 def test_tensors_grouped_by_kind_for_copies_and_gradient_buffers():
     """Input copies skip empty tensors and group by dtype (one fused copy each); the backward's
     flat gradient buffers keep every gradient, empty ones included, at its position."""
-    from fastopt.passes import graphs
-
     a, b = torch.randn(2, 3), torch.zeros(4, dtype=torch.int64)
     empty, d = torch.randn(0, 5), torch.randn(5)
-    assert [(len(m), p) for m, p in graphs._copy_groups([a, b, empty, d])] == [(2, [0, 3]),
-                                                                            (1, [1])]
-    groups = graphs._flat_groups([a, None, empty, d, b])
+    assert [(len(m), p) for m, p in capture._copy_groups([a, b, empty, d])] == [(2, [0, 3]),
+                                                                             (1, [1])]
+    groups = capture._flat_groups([a, None, empty, d, b])
     assert [layout for _, layout in groups] == [[(0, 0, (2, 3)), (2, 6, (0, 5)), (3, 6, (5,))],
                                                 [(4, 0, (4,))]]
     assert torch.equal(groups[0][0], torch.cat([a.reshape(-1), d]))

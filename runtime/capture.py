@@ -1,0 +1,393 @@
+"""One call signature's CUDA graphs: the captured forward/backward pair, its static buffers and
+its replay (used by :class:`~fastopt.runtime.graphs.GraphRunner`).
+
+* **Capture.** Inputs are copied into static buffers; :data:`WARMUP_CALLS` warm-up calls
+  (forward and ``autograd.grad``) run on a side stream with the module's buffers restored
+  afterwards; the forward is captured, then the backward of every differentiable output with
+  respect to the inputs that require grad and the module's trainable parameters, into one memory
+  pool.
+* **Replay.** Inputs are copied in, the forward graph replays and the outputs are returned as
+  fresh tensors (callers may keep them across calls). An ``autograd.Function`` connects them to
+  the graph: its backward copies the incoming gradients into static buffers, replays the
+  backward graph and returns the gradients of inputs and parameters from one fresh flat buffer
+  per dtype (captured in the graph), so ``.grad`` accumulates exactly as in eager mode and never
+  aliases graph memory.
+* **Attribute writes.** A forward that stores tensors on its module (TGN keeps the batch's
+  updated memory for ``commit``) is captured when those tensors live on the graph's device: each
+  replay re-assigns the attribute to the same tensors, detached, which then hold that replay's
+  values (:func:`replayable_writes`). Any other write, and a forward that writes into its
+  inputs, makes the capture fail with :class:`Uncapturable`.
+
+Layering: imports nothing of fastopt but :mod:`fastopt.errors`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from fastopt.errors import TraceError
+from fastopt.runtime.flatten import flatten, unflatten
+
+__all__ = ["GraphPair", "Uncapturable", "WARMUP_CALLS", "replayable_writes", "end_generator_capture"]
+
+# Forward+backward calls on a side stream before a capture (lazy initialization, Triton
+# compilation and cuBLAS workspaces happen there, never inside the capture).
+WARMUP_CALLS = 2
+
+
+class Uncapturable(Exception):
+    """A call or a module that cannot be captured; the message says why."""
+
+
+
+class _Backward:
+    """Marks a replay whose backward has not run yet (dies with the replay's autograd node)."""
+
+    __slots__ = ("done", "__weakref__")
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+_REGISTRIES = ("_parameters", "_buffers", "_modules")
+
+
+def _attributes(m: nn.Module) -> dict:
+    """Every attribute of ``m`` by name; registered ones as ``"_buffers.name"`` and so on."""
+    attrs = {k: v for k, v in m.__dict__.items() if k not in _REGISTRIES}
+    for reg in _REGISTRIES:
+        attrs.update({f"{reg}.{k}": v for k, v in m.__dict__.get(reg, {}).items()})
+    return attrs
+
+
+def _snapshot(module: nn.Module) -> list:
+    """References to every attribute of every submodule, to detect writes by the forward."""
+    return [(m, _attributes(m)) for m in module.modules()]
+
+
+def _attribute_writes(before: list) -> List[Tuple[nn.Module, str, Any]]:
+    """Every attribute (re)assigned since ``before``: ``(module, key, new value)``.
+
+    Keys of registered parameters, buffers and submodules read ``"_buffers.name"`` and so on;
+    a deleted attribute's value is ``_Backward`` (a sentinel no forward can assign).
+    """
+    changes = []
+    for m, attrs in before:
+        now = _attributes(m)
+        for name in sorted(set(attrs) | set(now)):
+            if attrs.get(name, _Backward) is not now.get(name, _Backward):
+                changes.append((m, name, now.get(name, _Backward)))
+    return changes
+
+
+_NOT_REPLAYABLE = object()
+
+
+class _WrittenByForward:
+    """Stands in, during a capture, for an attribute the warm-up calls wrote.
+
+    A forward that reads its own earlier write would bake the address of the warm-up's tensor into
+    the graph, and replays would keep reading that stale tensor; with this in its place the read
+    fails (it is no tensor), the capture fails and the module runs uncaptured.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<attribute written by the forward; unreadable during CUDA-graph capture>"
+
+
+def _detached(value: Any, device: torch.device) -> Any:
+    """``value`` with its tensors detached, if it holds only tensors on ``device`` that need no
+    gradient (in tuples or lists) or None; else :data:`_NOT_REPLAYABLE`."""
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        # a tensor with a gradient path (an auxiliary loss, say) would lose it on replay
+        ok = value.device == device and not value.requires_grad
+        return value.detach() if ok else _NOT_REPLAYABLE
+    if type(value) in (tuple, list):
+        items = [_detached(v, device) for v in value]
+        if any(v is _NOT_REPLAYABLE for v in items):
+            return _NOT_REPLAYABLE
+        return type(value)(items)
+    return _NOT_REPLAYABLE
+
+
+def replayable_writes(changes: Sequence[Tuple[nn.Module, str, Any]], device: torch.device
+                      ) -> Tuple[List[Tuple[nn.Module, str, Any]], Optional[str]]:
+    """The attribute writes a replay can redo, or the name of the first one it cannot.
+
+    A plain attribute that the captured forward set to tensors on the graph's device that need no
+    gradient (alone, in tuples or lists, or None) is re-assigned after every replay to the same
+    tensors: they live in the graph's memory (or are its static inputs), so after a replay they
+    hold that replay's values, until the next replay of the same graph overwrites them. TGN keeps
+    the updated memory of a batch's roots this way for ``commit`` (under ``no_grad``). Anything
+    else (a tensor with a gradient path, another Python value, a CPU tensor, a registered
+    parameter, buffer or submodule, a deleted attribute) would be lost or skipped by a replay,
+    so the call signature is not captured. A forward that also *reads* such an attribute (its
+    own earlier write, as recurrent state would) is refused at capture too: see
+    :class:`_WrittenByForward`.
+    """
+    writes = []
+    for module, key, value in changes:
+        name = f"{type(module).__name__}.{key.split('.')[-1]}"
+        if "." in key or value is _Backward:
+            return [], name
+        value = _detached(value, device)
+        if value is _NOT_REPLAYABLE:
+            return [], name
+        writes.append((module, key, value))
+    return writes, None
+
+
+@contextlib.contextmanager
+def _aliased_parameters(module: nn.Module, params: Sequence[Tensor]):
+    """Swap every trainable parameter for a fresh leaf sharing its storage, while capturing.
+
+    A parameter's ``AccumulateGrad`` node lives as long as any autograd graph that used it, and
+    remembers the stream it was made on: one made by an eager call (default stream) would make
+    the captured backward wait on the default stream, which a capture cannot do. Fresh leaves
+    get fresh nodes on the capture stream; sharing storage, the graph still reads the parameters'
+    current values (in-place optimizer steps included). Yields the leaves in ``params`` order.
+    """
+    alias: Dict[int, Tensor] = {}
+    swaps = []
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.requires_grad:
+                if id(p) not in alias:
+                    alias[id(p)] = p.detach().requires_grad_()
+                swaps.append((m, name, p))
+                m._parameters[name] = alias[id(p)]
+    try:
+        yield [alias[id(p)] for p in params]
+    finally:
+        for m, name, p in swaps:
+            m._parameters[name] = p
+
+
+def end_generator_capture(device: torch.device) -> None:
+    """Leave the CUDA generator out of capture mode after a failed capture.
+
+    A capture that fails never reaches the generator's capture epilogue, and every later random
+    draw would fail ("Offset increment outside graph capture"); an empty successful capture runs
+    the prologue and epilogue once more.
+    """
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.zeros(1, device=device).add_(1)
+    del graph
+
+
+class GraphPair:
+    """The forward/backward graph pair of one call signature, with its static buffers."""
+
+    def __init__(self, static_inputs: List[Tensor], params: List[Tensor], fwd, out_spec: tuple,
+                 static_outputs: List[Tensor], differentiable: List[bool], bwd,
+                 static_grad_outputs: List[Tensor], grad_groups: list, surface_size: int) -> None:
+        self.static_inputs = static_inputs
+        self.input_groups = _copy_groups(static_inputs)
+        self.grad_output_groups = _copy_groups(static_grad_outputs)
+        self.params = params
+        self.fwd, self.bwd = fwd, bwd
+        self.out_spec = out_spec
+        self.static_outputs = static_outputs
+        self.differentiable = differentiable
+        self.static_grad_outputs = static_grad_outputs
+        self.grad_groups = grad_groups  # (flat static buffer, [(surface position, offset, shape)])
+        self.surface_size = surface_size
+        self.generation = 0
+        self._pending: Optional[weakref.ref] = None
+        self.writes: List[Tuple[nn.Module, str, Any]] = []
+
+    @classmethod
+    def capture(cls, module: nn.Module, plain, spec: tuple, tensors: Sequence[Tensor]) -> "GraphPair":
+        device = tensors[0].device
+        static = []
+        with torch.no_grad():
+            for t in tensors:
+                s = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                s.copy_(t)
+                static.append(s.requires_grad_(t.requires_grad))
+        grad = torch.is_grad_enabled()
+        params = [p for p in module.parameters() if p.requires_grad] if grad else []
+        surface = [s for s in static if s.requires_grad] + params
+        args, kwargs = unflatten(spec, static)
+        before = _snapshot(module)
+        versions = [s._version for s in static]
+
+        def backward_of(out) -> Tuple[list, list]:
+            outs = [o for o in flatten(out)[0] if o.requires_grad]
+            return outs, surface
+
+        saved = [(b, b.detach().clone()) for b in module.buffers()]
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_CALLS):
+                out = plain(*args, **kwargs)
+                outs, _ = backward_of(out)
+                if outs and surface:
+                    torch.autograd.grad(outs, surface, [torch.ones_like(o) for o in outs],
+                                        allow_unused=True)
+                del out, outs
+        torch.cuda.current_stream(device).wait_stream(side)
+        with torch.no_grad():
+            for b, copy in saved:
+                b.copy_(copy)
+        del saved
+        if [s._version for s in static] != versions:
+            raise Uncapturable("the forward writes into its input tensors in place; a replay "
+                               "would write into the graph's copies, not the caller's tensors")
+        versions = [s._version for s in static]
+
+        hidden = [(m, key, value) for m, key, value in _attribute_writes(before) if "." not in key
+                  and value is not _Backward]
+        for m, key, _ in hidden:
+            m.__dict__[key] = _WrittenByForward()
+        try:
+            return cls._capture_graphs(module, plain, args, kwargs, static, params, grad, before,
+                                       versions, device)
+        except BaseException:
+            for m, key, value in hidden:  # the uncaptured calls that follow see the warm-up's values
+                m.__dict__[key] = value
+            raise
+
+    @classmethod
+    def _capture_graphs(cls, module, plain, args, kwargs, static, params, grad, before, versions,
+                        device) -> "GraphPair":
+        pool = torch.cuda.graph_pool_handle()
+        fwd = torch.cuda.CUDAGraph()
+        bwd, static_go, groups = None, [], []
+        with _aliased_parameters(module, params) as leaves:
+            with torch.cuda.graph(fwd, pool=pool, capture_error_mode="thread_local"):
+                out = plain(*args, **kwargs)
+            out_tensors, out_spec = flatten(out)
+            differentiable = [o.requires_grad for o in out_tensors]
+            diff_outs = [o for o in out_tensors if o.requires_grad]
+            surface = [s for s in static if s.requires_grad] + leaves
+            if grad and diff_outs and surface:
+                static_go = [torch.empty_like(o) for o in diff_outs]
+                bwd = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(bwd, pool=pool, capture_error_mode="thread_local"):
+                    grads = torch.autograd.grad(diff_outs, surface, static_go, allow_unused=True)
+                    groups = _flat_groups(grads)
+        writes, refused = replayable_writes(_attribute_writes(before), device)
+        if refused is not None:
+            raise Uncapturable(f"the forward assigns {refused}; a replay would skip that write")
+        if [s._version for s in static] != versions:
+            raise Uncapturable("the forward writes into its input tensors in place; a replay "
+                               "would write into the graph's copies, not the caller's tensors")
+        graphs = cls(static, params, fwd, out_spec, [o.detach() for o in out_tensors],
+                     differentiable, bwd, static_go, groups, len(surface))
+        graphs.writes = writes
+        graphs.redo_writes()
+        return graphs
+
+    def redo_writes(self) -> None:
+        """Re-assign the attributes the captured forward wrote (see :func:`replayable_writes`)."""
+        for module, key, value in self.writes:
+            module.__dict__[key] = value
+
+    def pending(self) -> bool:
+        """Whether the last replay's backward may still run (its node is alive and has not run)."""
+        token = self._pending() if self._pending is not None else None
+        return token is not None and not token.done
+
+    def run(self, tensors: Sequence[Tensor]) -> Any:
+        with torch.no_grad():
+            _copy_grouped(self.static_inputs, tensors, self.input_groups)
+        # launched first: the device runs the forward while the host builds the autograd node
+        self.fwd.replay()
+        self.redo_writes()
+        self.generation += 1
+        if self.bwd is None:
+            return unflatten(self.out_spec, [o.clone() for o in self.static_outputs])
+        grad_inputs = [t for t, s in zip(tensors, self.static_inputs) if s.requires_grad]
+        outs = _Replay.apply(self, *grad_inputs, *self.params)
+        return unflatten(self.out_spec, list(outs))
+
+
+def _by_kind(tensors: Sequence[Optional[Tensor]]) -> List[Tuple[List[Tensor], List[int]]]:
+    """``tensors`` (None skipped) split by dtype and device: ``(members, positions)`` per kind.
+
+    ``torch._foreach_copy_`` runs one fused copy kernel per call only when every tensor of both
+    lists has one dtype; a mixed list falls back to one copy (and one launch) per tensor.
+    """
+    by_kind: Dict[tuple, Tuple[List[Tensor], List[int]]] = {}
+    for i, t in enumerate(tensors):
+        if t is not None:
+            members, positions = by_kind.setdefault((t.dtype, t.device), ([], []))
+            members.append(t)
+            positions.append(i)
+    return list(by_kind.values())
+
+
+def _copy_groups(tensors: Sequence[Tensor]) -> List[Tuple[List[Tensor], List[int]]]:
+    """:func:`_by_kind` of the tensors with elements (an empty one has nothing to copy)."""
+    return _by_kind([t if t.numel() else None for t in tensors])
+
+
+def _copy_grouped(static: Sequence[Tensor], fresh: Sequence[Tensor], groups) -> None:
+    """``static[i].copy_(fresh[i])`` for all i, one ``_foreach_copy_`` per group of one kind."""
+    for members, positions in groups:
+        torch._foreach_copy_(members, [fresh[i] for i in positions])
+
+
+def _flat_groups(grads: Sequence[Optional[Tensor]]) -> list:
+    """Inside the backward capture: the gradients concatenated into one buffer per dtype/device."""
+    groups = []
+    for members, positions in _by_kind(grads):
+        flat = torch.cat([g.reshape(-1) for g in members])
+        layout, offset = [], 0
+        for i, g in zip(positions, members):
+            layout.append((i, offset, tuple(g.shape)))
+            offset += g.numel()
+        groups.append((flat, layout))
+    return groups
+
+
+class _Replay(torch.autograd.Function):
+    """Forward: the outputs of the forward graph :meth:`GraphPair.run` has just replayed.
+    Backward: replay the backward graph."""
+
+    @staticmethod
+    def forward(ctx, graphs: GraphPair, *surface: Tensor):
+        token = _Backward()
+        graphs._pending = weakref.ref(token)
+        ctx.graphs, ctx.generation, ctx.token = graphs, graphs.generation, token
+        outs = tuple(o.clone() for o in graphs.static_outputs)
+        ctx.mark_non_differentiable(*(o for o, d in zip(outs, graphs.differentiable) if not d))
+        return outs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grad_outputs: Tensor):
+        graphs: GraphPair = ctx.graphs
+        if ctx.generation != graphs.generation:
+            raise TraceError(
+                "backward through a CUDA-graphed call after its graph was replayed again "
+                f"(replay {ctx.generation}, now {graphs.generation}): the graph's saved tensors "
+                "are overwritten. Run backward before calling the module again with "
+                "retain_graph, or set config.passes.cuda_graphs='off'")
+        diff = [g for g, d in zip(grad_outputs, graphs.differentiable) if d]
+        with torch.no_grad():
+            _copy_grouped(graphs.static_grad_outputs, diff, graphs.grad_output_groups)
+        graphs.bwd.replay()
+        ctx.token.done = True
+        grads: List[Optional[Tensor]] = [None] * graphs.surface_size
+        for flat, layout in graphs.grad_groups:
+            fresh = flat.clone()
+            for i, offset, shape in layout:
+                n = 1
+                for d in shape:
+                    n *= d
+                grads[i] = fresh[offset:offset + n].view(shape)
+        return (None, *grads)
