@@ -1,11 +1,13 @@
 """fastopt.passes: torch.fx tracing and rewrites onto fastopt.codegen operators.
 
 Layout: ``tracing.py`` (side-effect-free tracing), ``pattern.py`` (matching helpers, the pass base
-class), one file per pattern family (``attention.py``, ``attention_mha.py``, ``attention_sdpa.py``,
-``aggregate.py``, ``time_encoding.py``, ``project_before_gather.py``), ``lowering.py`` (the
-run-time functions rewritten graphs call), ``pipeline.py`` (the declarative pipeline),
-``manager.py`` (the pass manager), ``optimizer.py`` (whole-model driver), ``report.py``,
-``verify.py``. Invariants: ``README.md``.
+class), one file per pattern family with its lowering, the run-time function rewritten graphs call
+(``attention.py``, ``attention_mha.py``, ``attention_sdpa.py``, ``aggregate.py``,
+``time_encoding.py``, ``project_before_gather.py``; ``split_linear.py`` with
+``split_linear_lowering.py``), ``attention_layout.py`` (attention in any layout onto the fused
+operator, shared by the attention lowerings), ``sites.py`` (run-time shapes per rewrite site),
+``pipeline.py`` (the declarative pipeline), ``manager.py`` (the pass manager), ``optimizer.py``
+(whole-model driver), ``report.py``, ``verify.py``. Invariants: ``README.md``.
 """
 
 from fastopt.passes.aggregate import FuseMaskedAggregation

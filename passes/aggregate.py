@@ -6,7 +6,7 @@ Pattern::
     s = x.masked_fill(~m.unsqueeze(-1), 0).sum(1)
     s = s / m.sum(1, keepdim=True).clamp(min=1)  # optional: the mean (clamp_min(1) as well)
 
-Replacement: :func:`fastopt.passes.lowering.fused_masked_aggregate`
+Replacement: :func:`fused_masked_aggregate` (below)
 (``fastopt.codegen.masked_aggregate``); rows without a valid neighbor are zeros in both, which
 is why an unclamped mean (NaN for those rows) is left alone.
 
@@ -19,17 +19,19 @@ they consume first).
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import List, Optional, Tuple, Union
 
 import torch
-from torch import fx
+from torch import Tensor, fx
 
-from fastopt.passes import lowering
+from fastopt import codegen
 from fastopt.passes.pattern import (Match, RewritePass, arg, bool_provenance, call, literal,
                                     same_value, single_user, unsqueeze_dim)
+from fastopt.passes.sites import record
 
-__all__ = ["FuseMaskedAggregation"]
+__all__ = ["FuseMaskedAggregation", "fused_masked_aggregate"]
 
 _CASTS = ("float", "double", "half", "bfloat16", "to", "type_as")
 
@@ -111,6 +113,42 @@ class FuseMaskedAggregation(RewritePass):
         elif call(div, (operator.truediv, torch.div)) and div.args[0] is red:
             return "a mean whose count is not the clamped count of the same mask (empty rows would be NaN)"
         return Match(
-            anchor=red, output=out, nodes=nodes, target=lowering.fused_masked_aggregate,
+            anchor=red, output=out, nodes=nodes, target=fused_masked_aggregate,
             args=(x, w, count), kwargs=dict(form=form, dim=dim, reduce=reduce, proven=proven),
             op="masked_aggregate", pattern=f"masked_{reduce}[{form}]")
+
+
+# ----------------------------------------------------------------------------------------------
+# lowering: what the rewritten graph calls
+# ----------------------------------------------------------------------------------------------
+
+
+def fused_masked_aggregate(x: Tensor, weight: Tensor, count: Optional[Tensor] = None, *,
+                           form: str, dim: int, reduce: str, proven: bool = True,
+                           site: str = "") -> Tensor:
+    """Masked sum or mean of neighbor rows over ``dim``, fused.
+
+    Computes, with ``form="mul"``: ``s = (x * weight).sum(dim)``; with ``form="fill"``:
+    ``s = x.masked_fill(weight, 0).sum(dim)``; then for ``reduce="mean"``: ``s / count``, where
+    ``count`` is the clamped number of valid slots. ``weight`` of form ``"mul"`` must hold 0/1
+    values of a boolean mask: ``proven`` says the pass saw it cast from a boolean; otherwise
+    ``weight`` itself must be boolean when called. ``weight`` of form ``"fill"`` is True on the
+    slots to drop.
+    """
+    d = dim + x.dim() if dim < 0 else dim  # the neighbor dimension; never the first
+    fits = 1 <= d < x.dim() and weight.dim() <= x.dim() and (proven or weight.dtype == torch.bool)
+    if fits:
+        w = weight.reshape((1,) * (x.dim() - weight.dim()) + tuple(weight.shape))
+        fits = all(n == 1 for n in w.shape[d + 1:]) and x.is_floating_point()
+    if fits:
+        lead = tuple(x.shape[:d + 1])
+        valid = (w != 0) if form == "mul" else ~w
+        valid = valid.reshape(w.shape[:d + 1]).expand(lead)
+        rows = math.prod(lead[:-1])
+        if rows > 0 and lead[-1] > 0:
+            xs = x.reshape(rows, lead[-1], *x.shape[d + 1:])
+            out = codegen.masked_aggregate(xs, valid.reshape(rows, lead[-1]), reduce=reduce)
+            record(site, (lead[-1],) + tuple(x.shape[d + 1:]))
+            return out.reshape(lead[:-1] + tuple(x.shape[d + 1:]))
+    s = (x * weight).sum(dim) if form == "mul" else x.masked_fill(weight, 0).sum(dim)
+    return s if count is None else s / count

@@ -10,7 +10,8 @@ Pattern (every style variant real TGNN code uses)::
     a = dropout(a)               # optional: nn.Dropout, F.dropout
     out = (a.unsqueeze(-1) * v).sum(dim)  | a[..., None] * v | torch.einsum(...) | a @ v | bmm
 
-Replacement: :func:`fastopt.passes.lowering.fused_attention` (``fastopt.codegen.temporal_attention``).
+Replacement: :func:`fused_attention` (below; ``fastopt.codegen.temporal_attention`` on tensors in
+any layout, through :mod:`fastopt.passes.attention_layout`).
 
 Left alone, with the reason in the report: scores through an activation (LeakyReLU, GAT style:
 the operator has no score activation), a mask applied by addition, a fill value that does not
@@ -29,13 +30,17 @@ from typing import List, Optional, Union
 
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import Tensor, fx, nn
 
-from fastopt.passes import lowering
+from fastopt import codegen
+from fastopt.config import default_config
+from fastopt.passes.attention_layout import AttentionLayout, attention_layout, canonical_attention
 from fastopt.passes.pattern import (Match, RewritePass, arg, call, literal, module_of, single_user,
                                     same_value, unsqueeze_dim)
+from fastopt.passes.sites import record
 
-__all__ = ["FuseTemporalAttention", "softmax_of", "LARGE_NEGATIVE"]
+__all__ = ["FuseTemporalAttention", "fused_attention", "dropout_probability", "scale_of",
+           "softmax_of", "LARGE_NEGATIVE"]
 
 # masked_fill values at or below this annihilate masked weights in float32 softmax.
 LARGE_NEGATIVE = -1e9
@@ -128,7 +133,7 @@ def _layout_reason(scores: str, weighted: str, dim: int) -> Optional[str]:
     for qr in _RANKS:
         for kr in _RANKS:
             for vr in _RANKS:
-                got = lowering.attention_layout(scores, weighted, dim, qr, kr, vr)
+                got = attention_layout(scores, weighted, dim, qr, kr, vr)
                 if not isinstance(got, str):
                     return None
                 reason = reason or got
@@ -206,9 +211,97 @@ class FuseTemporalAttention(RewritePass):
         pattern.insert(2, "zeroed" if zeroed else "unzeroed")
         pattern.append(weighted.split(":")[0])
         return Match(
-            anchor=sm, output=out, nodes=nodes, target=lowering.fused_attention,
+            anchor=sm, output=out, nodes=nodes, target=fused_attention,
             args=(q, k, v, fill_mask, dropout),
             kwargs=dict(scores=scores, weighted=weighted, softmax_dim=dim,
                         scale_ops=tuple(scale_ops), fill=float(fill), zeroed=zeroed,
                         dropout_p=dropout_p),
             op="temporal_attention", pattern=f"explicit[{','.join(pattern)}]")
+
+
+# ----------------------------------------------------------------------------------------------
+# lowering: what the rewritten graph calls
+# ----------------------------------------------------------------------------------------------
+
+
+def dropout_probability(dropout, functional_p: float) -> float:
+    """Active dropout probability: a module's ``p`` in training mode, or a traced functional p."""
+    if dropout is not None:
+        return float(dropout.p) if dropout.training else 0.0
+    return float(functional_p)
+
+
+def _eager_scores(q: Tensor, k: Tensor, style: str) -> Tensor:
+    kind, _, rest = style.partition(":")
+    if kind == "mul_sum":
+        return (q * k).sum(int(rest))
+    if kind == "einsum":
+        return torch.einsum(rest, q, k)
+    return q @ (k.transpose(-2, -1) if kind == "matmul_t" else k)
+
+
+def _eager_weighted(a: Tensor, v: Tensor, style: str) -> Tensor:
+    kind, _, rest = style.partition(":")
+    if kind == "mul_sum":
+        unsq, red = (int(x) for x in rest.split(":"))
+        return (a.unsqueeze(unsq) * v).sum(red)
+    if kind == "einsum":
+        return torch.einsum(rest, a, v)
+    return a @ v
+
+
+def fused_attention(q: Tensor, k: Tensor, v: Tensor, fill_mask: Tensor, dropout=None, *,
+                    scores: str, weighted: str, softmax_dim: int, scale_ops=(), fill: float,
+                    zeroed: bool, dropout_p: float = 0.0, site: str = "") -> Tensor:
+    """Explicit masked attention: scores, scale, ``masked_fill``, softmax, weighted sum.
+
+    Computes what this code computes, fused when the tensors fit::
+
+        s = scores(q, k)                                  # style `scores`
+        s = s * c  (or s / c) for each (op, c) in scale_ops
+        a = softmax(s.masked_fill(fill_mask, fill), softmax_dim)
+        a = a.masked_fill(fill_mask, 0.0) if zeroed       # zero weights of masked slots
+        a = dropout(a)                                    # module, or functional p
+        out = weighted(a, v)                              # style `weighted`
+
+    Dropout in training runs inside the kernel (Philox stream keyed by
+    :func:`fastopt.codegen.dropout_seed`: the device's generator where the kernels run, no host
+    sync, a new key per CUDA-graph replay): equal in distribution to eager dropout, not draw for
+    draw. With
+    ``config.passes.fuse_dropout`` off, attention with active dropout runs the code above, and so
+    does any call whose tensors are where no generated kernel runs (the CPU without the Triton
+    interpreter: the reference operator there is slower than this code).
+    """
+    p = dropout_probability(dropout, dropout_p)
+    fuse = p == 0.0 or (zeroed and default_config().passes.fuse_dropout)
+    lay = attention_layout(scores, weighted, softmax_dim, q.dim(), k.dim(), v.dim())
+    if default_config().kernels.backend == "auto" and codegen.select_backend(q) != "triton":
+        # no generated kernel here (the CPU): the reference operator is slower than this code
+        # (TGAT on 2 cores: 1.3-1.5x); kernels.backend="reference" asks for it all the same
+        record(site, ())
+        fuse = False
+    if fuse and isinstance(lay, AttentionLayout):
+        empty = "zero" if zeroed else ("nan" if fill == float("-inf") else "mean")
+        out = canonical_attention(q, k, v, lay, ~fill_mask, scale=scale_of(scale_ops),
+                                  dropout_p=p, empty=empty, site=site)
+        if out is not None:
+            return out
+    s = _eager_scores(q, k, scores)
+    for op, c in scale_ops:
+        s = s * c if op == "mul" else s / c
+    a = torch.softmax(s.masked_fill(fill_mask, fill), softmax_dim)
+    if zeroed:
+        a = a.masked_fill(fill_mask, 0.0)
+    if dropout is not None:
+        a = dropout(a)
+    elif dropout_p > 0.0:
+        a = F.dropout(a, dropout_p, training=True)
+    return _eager_weighted(a, v, weighted)
+
+
+def scale_of(scale_ops) -> float:
+    """The one factor that the traced products and quotients by constants multiply scores by."""
+    scale = 1.0
+    for op, c in scale_ops:
+        scale = scale * c if op == "mul" else scale / c
+    return scale

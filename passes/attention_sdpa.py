@@ -8,7 +8,7 @@ with ``q [..., L, E]``, ``k [..., K, E]``, ``v [..., K, E]`` and a boolean ``val
 neighbor takes part) broadcastable to ``[..., L, K]``. Batch dimensions along which the mask is
 constant become heads of the fused operator; the others become destination rows.
 
-Replacement: :func:`fastopt.passes.lowering.fused_sdpa`; it checks the mask dtype on each call
+Replacement: :func:`fused_sdpa` (below); it checks the mask dtype on each call
 and runs SDPA itself for a float mask that the graph could not prove boolean.
 
 Left alone: masks that are provably not boolean (additive float masks), ``is_causal``,
@@ -19,15 +19,17 @@ Order: independent of the other attention passes.
 
 from __future__ import annotations
 
-from typing import List, Union
+from typing import List, Optional, Union
 
+import torch
 import torch.nn.functional as F
-from torch import fx
+from torch import Tensor, fx
 
-from fastopt.passes import lowering
+from fastopt.config import default_config
+from fastopt.passes.attention_layout import AttentionLayout, attention_layout, canonical_attention
 from fastopt.passes.pattern import Match, RewritePass, arg, bool_provenance, call, literal
 
-__all__ = ["FuseSdpaAttention"]
+__all__ = ["FuseSdpaAttention", "fused_sdpa"]
 
 
 class FuseSdpaAttention(RewritePass):
@@ -52,7 +54,30 @@ class FuseSdpaAttention(RewritePass):
         if not literal(p) or (scale is not None and not literal(scale)):
             return "dropout_p or scale is not a Python number"
         return Match(
-            anchor=node, output=node, nodes=[node], target=lowering.fused_sdpa,
+            anchor=node, output=node, nodes=[node], target=fused_sdpa,
             args=(q, k, v, mask),
             kwargs=dict(dropout_p=float(p), scale=None if scale is None else float(scale)),
             op="temporal_attention", pattern="F.scaled_dot_product_attention[bool mask]")
+
+
+# ----------------------------------------------------------------------------------------------
+# lowering: what the rewritten graph calls
+# ----------------------------------------------------------------------------------------------
+
+
+def fused_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, *, dropout_p: float = 0.0,
+               scale: Optional[float] = None, site: str = "") -> Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, attn_mask)`` with a boolean mask, fused.
+
+    A row whose mask is all False yields zeros, as eager SDPA does in torch >= 2.5.
+    """
+    lay = attention_layout("matmul_t", "matmul", -1, q.dim(), k.dim(), v.dim())
+    fuse = dropout_p == 0.0 or default_config().passes.fuse_dropout
+    if fuse and isinstance(lay, AttentionLayout) and attn_mask.dtype == torch.bool:
+        sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        out = canonical_attention(q, k, v, lay, attn_mask, scale=sc, dropout_p=dropout_p,
+                                  empty="zero", site=site)
+        if out is not None:
+            return out
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          scale=scale)

@@ -21,10 +21,10 @@ from torch import fx, nn
 
 from fastopt.config import patch
 from fastopt.errors import TraceError
-from fastopt.passes import lowering
 from fastopt.passes.manager import PassManager
 from fastopt.passes.pipeline import default_pipeline
 from fastopt.passes.report import LeftAlone, RewriteReport, Verification
+from fastopt.passes.sites import site_shapes
 from fastopt.passes.tracing import is_builtin_leaf, trace
 from fastopt.passes.verify import verified_call
 from fastopt.runtime import attach_graph_runners
@@ -174,7 +174,7 @@ def optimize_module(model: nn.Module, make_pipeline=default_pipeline,
     Returns:
         ``(optimized, report)``; ``optimized is model`` when nothing was rewritten.
     """
-    report = RewriteReport(model=type(model).__name__, site_shapes=lowering.site_shapes)
+    report = RewriteReport(model=type(model).__name__, site_shapes=site_shapes)
     options = {"verify": verify, "changes": changes or {}, "report": report}
     optimized = _optimize(model, "", report, make_pipeline, options)
     if not report.passes:

@@ -2,7 +2,7 @@
 
 A pattern file (``attention.py``, ``attention_mha.py``, ...) states its pattern as the plain
 Python code it recognizes (in its docstring and as the ``Before`` functions of its golden tests)
-and its replacement as a plain Python function in :mod:`fastopt.passes.lowering`. Matching walks
+and its replacement as a plain Python function beside it (its lowering). Matching walks
 the graph from an anchor node (the softmax, the ``nn.MultiheadAttention`` call, ...) because the
 styles real TGNN code uses differ in ways a fixed subgraph cannot enumerate (einsum equations,
 ``unsqueeze`` versus ``[..., None]``, scales as products or quotients). Conditions a pattern cannot
@@ -35,6 +35,7 @@ __all__ = [
     "module_of",
     "bool_provenance",
     "writes_in_place",
+    "is_lowering",
     "IN_PLACE_OPERATORS",
 ]
 
@@ -119,6 +120,13 @@ def module_of(gm: fx.GraphModule, node: Any, kinds: Tuple[type, ...]) -> Optiona
     return mod if isinstance(mod, kinds) else None
 
 
+def is_lowering(target: Any) -> bool:
+    """Whether a ``call_function`` target is a lowering of ``fastopt.passes``: a function an earlier
+    rewrite put into the graph (each family keeps its lowering beside its pattern, so they live in
+    several modules of this package; no user code calls them)."""
+    return (getattr(target, "__module__", None) or "").startswith("fastopt.passes.")
+
+
 # Run-time shape records are keyed by site; the counter keeps equal paths of two models apart.
 _SITES = itertools.count()
 
@@ -164,7 +172,7 @@ class Match:
         anchor: The node the matcher started from (its name locates the match).
         output: The node whose value the replacement computes.
         nodes: Nodes of the subgraph the replacement removes (when unused afterwards).
-        target: The replacement function of :mod:`fastopt.passes.lowering`.
+        target: The replacement function (a lowering beside the pattern).
         args: Its positional arguments (nodes, or ``("module", path)`` for a submodule).
         kwargs: Its keyword literals.
         op: The fastopt operator it runs, for the report.

@@ -6,7 +6,7 @@ Pattern::
 
 SlimCache hands a model tables of the batch's unique rows plus an index; projecting every
 sampled neighbor's copy repeats the work per duplicate. A row-wise Linear commutes with a row
-gather, so the replacement (:func:`fastopt.passes.lowering.project_rows`) projects the table once
+gather, so the replacement (:func:`project_rows`, below) projects the table once
 and gathers the projected rows whenever the table has fewer rows than the index selects (checked
 per call, so both directions keep the same result).
 
@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from torch import fx, nn
+import torch
+from torch import Tensor, fx, nn
 
-from fastopt.passes import lowering
 from fastopt.passes.pattern import Match, RewritePass, gather_of, module_of
+from fastopt.passes.sites import record
 
-__all__ = ["ProjectBeforeGather"]
+__all__ = ["ProjectBeforeGather", "project_rows"]
 
 
 class ProjectBeforeGather(RewritePass):
@@ -42,7 +43,24 @@ class ProjectBeforeGather(RewritePass):
             return None
         table, index = got
         return Match(
-            anchor=node, output=node, nodes=[node, node.args[0]], target=lowering.project_rows,
+            anchor=node, output=node, nodes=[node, node.args[0]], target=project_rows,
             args=(("module", node.target), table, index), kwargs={},
             op="project_rows", pattern="Linear(table[index])")
 
+
+# ----------------------------------------------------------------------------------------------
+# lowering: what the rewritten graph calls
+# ----------------------------------------------------------------------------------------------
+
+
+def project_rows(linear: torch.nn.Module, table: Tensor, index: Tensor, *, site: str = "") -> Tensor:
+    """``linear(table[index])``, computed as ``linear(table)[index]`` when the table is smaller.
+
+    A row-wise projection commutes with a row gather; projecting the unique table rows once is
+    cheaper whenever the table has fewer rows than the index selects.
+    """
+    if table.dim() >= 1 and index.dtype in (torch.int32, torch.int64) and \
+            table.shape[0] < index.numel():
+        record(site, (table.shape[0], index.numel()))
+        return linear(table)[index]
+    return linear(table[index])

@@ -136,8 +136,8 @@ class RewriteReport:
         if self.rewrites:
             lines.append("  rewrites:")
             for r in self.rewrites:
-                home = "passes.lowering" if r.op in ("linear_over_parts", "linears_over_parts") \
-                    else "codegen"
+                home = "passes.split_linear_lowering" if r.op in ("linear_over_parts",
+                                                                  "linears_over_parts") else "codegen"
                 lines.append(f"    {r.where}  {r.pattern} -> fastopt.{home}.{r.op}")
                 lines.append(f"        kernel: {r.kernel_config(self.site_shapes(r.site))}")
         if self.left_alone:

@@ -10,24 +10,24 @@ TGAT's and TGN's keys and values are projections of a concatenation of neighbor 
 features and time encodings. Autograd then computes the gradient of the whole concatenation in
 the backward (one ``[rows, in]`` product per projection), also of the columns that need none
 (edge and raw node features are data), and the concatenation itself is written out once more in
-the forward. The replacement (:func:`fastopt.passes.lowering.linear_over_parts`) multiplies the
-parts that need no gradient and those that do by their own column blocks of the weight, summed
-by ``addmm``: ``y = x_free W_free^T + b + x_grad W_grad^T``. Same function; the backward skips the
-input gradient of the free group (for a 172-d edge feature and 100-d encoding, 63 % of the input
-gradient's work) and the concatenation is not materialized. Which parts need gradients is
-decided per call on the actual tensors; with nothing to split (inference, all parts free or all
-needing gradients) or ``config.passes.split_linear_inputs`` off, it runs the original
+the forward. The replacement (:func:`~fastopt.passes.split_linear_lowering.linear_over_parts`)
+multiplies the parts that need no gradient and those that do by their own column blocks of the
+weight, summed by ``addmm``: ``y = x_free W_free^T + b + x_grad W_grad^T``. Same function; the
+backward skips the input gradient of the free group (for a 172-d edge feature and 100-d encoding,
+63 % of the input gradient's work) and the concatenation is not materialized. Which parts need
+gradients is decided per call on the actual tensors; with nothing to split (inference, all parts
+free or all needing gradients) or ``config.passes.split_linear_inputs`` off, it runs the original
 ``linear(torch.cat(parts, -1))``.
 
 Left alone: concatenation along another dimension (``dim`` must be the literal -1), a Linear
 called with more than its input.
 
 Sibling projections (several Linears of the same concatenation, each called on it alone: TGAT's
-keys and values) become one :func:`fastopt.passes.lowering.linears_over_parts` call, which
-multiplies by their stacked weights once and returns column blocks of the product; merged only
-where every user of each projection accepts such a view (no in-place op, no ``view`` that merges
-the features with another dimension, not returned or handed to a submodule), else each is split
-on its own.
+keys and values) become one :func:`~fastopt.passes.split_linear_lowering.linears_over_parts`
+call, which multiplies by their stacked weights once and returns column blocks of the product;
+merged only where every user of each projection accepts such a view (no in-place op, no ``view``
+that merges the features with another dimension, not returned or handed to a submodule), else
+each is split on its own.
 
 A part gathered by an index (``rows[index]``, the batch's unique edge features read per slot)
 and used by the concatenation alone is passed on as the pair ``(rows, index)``: where it is the
@@ -47,9 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fastopt.passes import lowering
-from fastopt.passes.pattern import (Match, RewritePass, arg, call, gather_of, module_of,
-                                    writes_in_place)
+from fastopt.passes.pattern import (Match, RewritePass, arg, call, gather_of, is_lowering,
+                                    module_of, writes_in_place)
+from fastopt.passes.split_linear_lowering import linear_over_parts, linears_over_parts
 
 __all__ = ["SplitLinearInputs"]
 
@@ -80,11 +80,11 @@ class SplitLinearInputs(RewritePass):
         siblings = _siblings(gm, node, cat)
         if len(siblings) > 1:
             return _Siblings(anchor=node, output=node, nodes=[*siblings, cat, *gathers],
-                             target=lowering.linears_over_parts, args=tuple(parts), kwargs={},
+                             target=linears_over_parts, args=tuple(parts), kwargs={},
                              op="linears_over_parts", siblings=siblings,
                              pattern=f"{len(siblings)} x Linear(cat([{len(parts)} parts], -1))")
         return Match(anchor=node, output=node, nodes=[node, cat, *gathers],
-                     target=lowering.linear_over_parts,
+                     target=linear_over_parts,
                      args=(("module", node.target), *parts), kwargs={}, op="linear_over_parts",
                      pattern=f"Linear(cat([{len(parts)} parts], -1))")
 
@@ -150,10 +150,11 @@ def _accepts_column_block(user: fx.Node, width: int, depth: int = 0) -> bool:
     larger row stride, which may not be written in place) as from its own tensor.
 
     Allowed: a ``view`` that only splits the ``width`` features (its users checked the same way),
-    the fused operators of :mod:`fastopt.passes.lowering`, and calls that return a new tensor
-    (:data:`_PURE_METHODS`, :data:`_PURE_FUNCTIONS`) without writing in place. Anything else
-    (another alias such as ``reshape``, ``contiguous`` or ``transpose``, whose in-place writes
-    would miss or fail on the block; a submodule; the graph's output) keeps the Linear apart.
+    the fused operators of the passes (:func:`~fastopt.passes.pattern.is_lowering`), and calls
+    that return a new tensor (:data:`_PURE_METHODS`, :data:`_PURE_FUNCTIONS`) without writing in
+    place. Anything else (another alias such as ``reshape``, ``contiguous`` or ``transpose``, whose
+    in-place writes would miss or fail on the block; a submodule; the graph's output) keeps the
+    Linear apart.
     """
     if depth > 4 or writes_in_place(user) or user.op != "call_method" and \
             user.op != "call_function":
@@ -164,7 +165,7 @@ def _accepts_column_block(user: fx.Node, width: int, depth: int = 0) -> bool:
             all(_accepts_column_block(u, width, depth + 1) for u in user.users)
     if user.op == "call_method":
         return target in _PURE_METHODS
-    if getattr(target, "__module__", None) == lowering.__name__:
+    if is_lowering(target):
         return True
     return target in _PURE_FUNCTIONS
 

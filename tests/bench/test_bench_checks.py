@@ -46,10 +46,10 @@ def test_optimize_bench_passes_on_the_real_kernels(monkeypatch, tmp_path, capsys
 
 def test_optimize_bench_fails_on_a_wrong_gradient(monkeypatch, tmp_path, capsys, wrong_backward):
     script = _cpu_optimize_bench(monkeypatch)
-    from fastopt.passes import lowering
+    from fastopt.passes import attention
 
-    real = lowering.fused_attention
-    monkeypatch.setattr(lowering, "fused_attention",
+    real = attention.fused_attention
+    monkeypatch.setattr(attention, "fused_attention",
                         lambda *a, **kw: wrong_backward.apply(real(*a, **kw)))
     assert script.main(_optimize_args(tmp_path)) == 1
     out = capsys.readouterr().out

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fastopt.passes import FuseTemporalAttention, trace
-from fastopt.passes.lowering import fused_attention
+from fastopt.passes.attention import fused_attention
 
 from passes_helpers import graph_signature, neighbor_mask
 

@@ -71,10 +71,10 @@ def test_verify_passes_and_catches_a_wrong_rewrite(monkeypatch):
     assert ("2 call(s) compared: outputs and, in 2 of them, parameter and input gradients within "
             "tolerance, largest absolute difference") in str(report)
 
-    from fastopt.passes import lowering
+    from fastopt.passes import attention
 
-    real = lowering.fused_attention
-    monkeypatch.setattr(lowering, "fused_attention",
+    real = attention.fused_attention
+    monkeypatch.setattr(attention, "fused_attention",
                         lambda *a, **kw: real(*a, **kw) * 1.01)
     bad = optimize_module(layer, verify=True)[0]
     with pytest.raises(FastOptError, match="largest difference"):
@@ -84,10 +84,10 @@ def test_verify_passes_and_catches_a_wrong_rewrite(monkeypatch):
 def test_verify_compares_parameter_and_input_gradients(monkeypatch, wrong_backward):
     torch.manual_seed(0)
     layer = TemporalAttention(8, 4, 6, 8).eval()
-    from fastopt.passes import lowering
+    from fastopt.passes import attention
 
-    real = lowering.fused_attention
-    monkeypatch.setattr(lowering, "fused_attention",
+    real = attention.fused_attention
+    monkeypatch.setattr(attention, "fused_attention",
                         lambda *a, **kw: wrong_backward.apply(real(*a, **kw)))
     fast, report = optimize_module(layer, verify=True)
     with torch.no_grad():  # outputs alone are right
@@ -124,10 +124,10 @@ class _AttentionOverATuple(nn.Module):
 
 
 def test_verify_reaches_inputs_inside_named_tuples(monkeypatch, wrong_backward):
-    from fastopt.passes import lowering
+    from fastopt.passes import attention
 
-    real = lowering.fused_attention
-    monkeypatch.setattr(lowering, "fused_attention",
+    real = attention.fused_attention
+    monkeypatch.setattr(attention, "fused_attention",
                         lambda *a, **kw: wrong_backward.apply(real(*a, **kw)))
     fast = optimize_module(_AttentionOverATuple(), verify=True)[0]
     keys = torch.randn(5, 4, 2, 3, requires_grad=True)

@@ -13,9 +13,14 @@ import fastopt.config as fconfig
 from fastopt.passes import (FuseMaskedAggregation, FuseMultiheadAttention, FuseSdpaAttention,
                             FuseTemporalAttention, FuseTimeEncoding, ProjectBeforeGather,
                             SplitLinearInputs, trace)
-from fastopt.passes import lowering
-from fastopt.passes.lowering import (fused_masked_aggregate, fused_multihead_attention, fused_sdpa,
-                                     fused_time_encode, linear_over_parts, project_rows)
+from fastopt.passes.aggregate import fused_masked_aggregate
+from fastopt.passes.attention_mha import fused_multihead_attention
+from fastopt.passes.attention_sdpa import fused_sdpa
+from fastopt.passes.project_before_gather import project_rows
+from fastopt.passes.sites import site_shapes
+from fastopt.passes.split_linear_lowering import (adjacent_blocks, column_blocks, linear_over_parts,
+                                                  linears_over_parts)
+from fastopt.passes.time_encoding import fused_time_encode
 
 from passes_helpers import graph_signature, neighbor_mask
 
@@ -278,7 +283,6 @@ def test_a_gathered_part_is_projected_before_its_gather(table_rows, rows_need_gr
     index = torch.randint(0, table_rows, (M, K))
     dt = torch.rand(M, K, 1, dtype=torch.float64)
     params = [h] + ([rows] if rows_need_grad else []) + list(before.parameters())
-    lowering._SITE_SHAPES.clear()
     ref, got = before(h, rows, index, dt), gm(h, rows, index, dt)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     weights = torch.randn_like(ref)
@@ -287,13 +291,13 @@ def test_a_gathered_part_is_projected_before_its_gather(table_rows, rows_need_gr
     for a, b in zip(want, have):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
     projected_first = table_rows < M * K and not rows_need_grad
-    shapes = list(lowering._SITE_SHAPES.values())  # (widths, rows, slots) where projected first
-    assert any(shape[2:] == (table_rows, M * K) for shape in shapes) == projected_first
+    shape = site_shapes(merged.kwargs["site"]) or ()  # (widths, rows, slots) if projected first
+    assert (shape[2:] == (table_rows, M * K)) == projected_first
 
 
 def _sibling_calls(gm):
     return [n for n in gm.graph.nodes if n.op == "call_function"
-            and n.target is lowering.linears_over_parts]
+            and n.target is linears_over_parts]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -533,17 +537,17 @@ def test_column_blocks_backward_is_splits():
     """Gradients of column blocks: taken whole when they are adjacent blocks of one tensor,
     concatenated otherwise (a missing one counts as zeros); equal to torch.split's either way."""
     y = torch.randn(3, 4, 10, requires_grad=True)
-    k, v = lowering.column_blocks(y, (6, 4))
+    k, v = column_blocks(y, (6, 4))
     whole = torch.randn(3, 4, 10)
     gk, gv = whole.split((6, 4), -1)
     layout = (y.shape, y.stride(), y.dtype)
-    assert lowering.adjacent_blocks([gk, gv], *layout, (6, 4)).data_ptr() == whole.data_ptr()
-    assert lowering.adjacent_blocks([gv, gk], *layout, (4, 6)) is None
-    assert lowering.adjacent_blocks([gk.clone(), gv], *layout, (6, 4)) is None
-    assert lowering.adjacent_blocks([gk, gv.neg()], *layout, (6, 4)) is None
+    assert adjacent_blocks([gk, gv], *layout, (6, 4)).data_ptr() == whole.data_ptr()
+    assert adjacent_blocks([gv, gk], *layout, (4, 6)) is None
+    assert adjacent_blocks([gk.clone(), gv], *layout, (6, 4)) is None
+    assert adjacent_blocks([gk, gv.neg()], *layout, (6, 4)) is None
     one_row = torch.randn(3, 1, 10)  # a size-1 dimension's stride does not matter
-    assert lowering.adjacent_blocks(list(one_row.split((6, 4), -1)), (3, 1, 10), (10, 7, 1),
-                                    torch.float32, (6, 4)) is not None
+    assert adjacent_blocks(list(one_row.split((6, 4), -1)), (3, 1, 10), (10, 7, 1),
+                           torch.float32, (6, 4)) is not None
     for grads in ((gk, gv), (gk.clone(), gv.clone()), (gk, None)):
         outs, used = zip(*[(o, g) for o, g in zip((k, v), grads) if g is not None])
         (got,) = torch.autograd.grad(outs, y, used, retain_graph=True)
@@ -560,5 +564,5 @@ def test_column_blocks_twice_differentiable():
         (g,) = torch.autograd.grad((k.sin().sum(1) * v.cos().sum(1)).sum(), y, create_graph=True)
         return torch.autograd.grad(g.square().sum(), y)[0]
 
-    torch.testing.assert_close(second_derivative(lowering.column_blocks(y, (6, 4))),
+    torch.testing.assert_close(second_derivative(column_blocks(y, (6, 4))),
                                second_derivative(y.split((6, 4), -1)))
