@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import json
 import os
-import pickle
 import sys
 import time
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastopt.codegen.cache import atomic_file
+from fastopt.checkpoint import BEST_FILE, load_model_state, plain, read_checkpoint, write_checkpoint
 from fastopt.config import Config, resolve_config
 from fastopt.data import TemporalGraph
 from fastopt.errors import ConfigError, FastOptError, device_memory_guard
@@ -270,9 +269,8 @@ class Trainer:
             return
         self._best_state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         if self.checkpoint_dir is not None:
-            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            with atomic_file(self.checkpoint_dir / BEST_FILE) as f:
-                torch.save({"epoch": self.epoch - 1, "model": self._best_state}, f)
+            write_checkpoint(self.checkpoint_dir / BEST_FILE,
+                             {"epoch": self.epoch - 1, "model": self._best_state})
 
     def _read_best(self, path: Path) -> Optional[dict]:
         """The best epoch's weights saved beside a checkpoint being resumed, when they are needed."""
@@ -422,19 +420,16 @@ class Trainer:
         temporary file in the same folder, flushed to disk, then renamed over ``path``: a process
         killed while writing leaves the previous checkpoint whole.
         """
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         state = {
             "epoch": self.epoch,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "history": _plain(self.history),
-            "config": _plain(self.config.to_dict()),
+            "history": plain(self.history),
+            "config": plain(self.config.to_dict()),
         }
-        with atomic_file(path) as f:
-            torch.save(state, f)
+        write_checkpoint(path, state)
 
     def load_checkpoint(self, path: Union[str, os.PathLike]) -> None:
         """Continue from a file written by :meth:`save_checkpoint`.
@@ -465,76 +460,6 @@ class Trainer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a") as f:
             f.write(json.dumps(record, default=float) + "\n")
-
-
-_CHECKPOINT_KEYS = ("epoch", "model", "optimizer", "torch_rng", "history")
-
-# The best validation epoch's weights, beside checkpoint.pt (config.train.restore_best).
-BEST_FILE = "best.pt"
-
-
-def load_model_state(model: nn.Module, state: dict, where: str) -> None:
-    """``model.load_state_dict(state)``, refusing weights of another model or dataset.
-
-    Raises:
-        FastOptError: naming the keys missing or unexpected and the first shapes that differ.
-    """
-    own = model.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
-              if k in state and hasattr(state[k], "shape") and state[k].shape != v.shape]
-    if missing or unexpected or shapes:
-        found = "; ".join(part for part in (
-            f"missing {_some(missing)}" if missing else "",
-            f"unexpected {_some(unexpected)}" if unexpected else "",
-            f"shapes (saved vs this model) {_some(shapes)}" if shapes else "") if part)
-        raise FastOptError(
-            f"{where} holds the weights of another model, dataset or hyperparameters ({found}); "
-            f"resume with the --model, --dataset, feature widths and model hyperparameters of the "
-            f"run that wrote it, or start a new run without --resume")
-    model.load_state_dict(state)
-
-
-def _some(items: list, shown: int = 3) -> str:
-    more = f" and {len(items) - shown} more" if len(items) > shown else ""
-    return ", ".join(items[:shown]) + more
-
-
-def read_checkpoint(path: Union[str, os.PathLike], map_location=None) -> dict:
-    """The state dict of a checkpoint file, read without running any code it may carry.
-
-    ``torch.load(weights_only=True)`` rebuilds only tensors, numbers, strings, lists, tuples and
-    dicts; a file that asks for anything else (a class, a ``__reduce__`` call) is refused.
-
-    Raises:
-        FastOptError: naming the file and why it cannot be loaded.
-    """
-    where = str(path)
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise FastOptError(
-            f"checkpoint {where!r} holds objects other than tensors, numbers, strings, lists and "
-            f"dicts ({reason}); it was not loaded, because loading it could run code from the "
-            f"file. Resume only from a checkpoint.pt written by fastopt (--checkpoint-dir); a "
-            f"file you trust can be re-saved with plain types") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise FastOptError(
-            f"checkpoint {where!r} cannot be read ({type(exc).__name__}: {exc}); it is truncated "
-            f"or not a checkpoint. Resume from an intact checkpoint.pt or train from the start") from None
-    missing = [k for k in _CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
-    if missing:
-        raise FastOptError(f"checkpoint {where!r} lacks {missing}; it was not written by "
-                           f"Trainer.save_checkpoint. Resume from a checkpoint.pt written by fastopt")
-    return state
-
-
-def _plain(value):
-    """``value`` rebuilt from Python's plain types (NumPy scalars become floats and ints), so
-    that a checkpoint holding it loads with ``weights_only=True``."""
-    return json.loads(json.dumps(value, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
 
 
 def _as_dict(stats: EpochStats) -> dict:
