@@ -4,6 +4,10 @@ Trains one warm-up epoch, then profiles the next (host and device activity) and 
 operators with the most host time and the most device time, and the epoch's stage breakdown::
 
     python bench/epoch_profile.py --model tgn --batch-size 600 [--no-optimize] [--trace out.json]
+    python bench/epoch_profile.py --model tgat --shapes   # matrix products by input shape
+
+``--shapes`` runs without CUDA graphs (a replayed graph hides its operators from the profiler)
+and lists the matrix products grouped by their input shapes, by device time.
 
 A diagnostic, not a comparison: it times nothing against eager and records no result.
 """
@@ -30,10 +34,13 @@ def main() -> int:
     p.add_argument("--no-optimize", action="store_true")
     p.add_argument("--rows", type=int, default=30)
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
+    p.add_argument("--shapes", action="store_true", help="matrix products by input shape (no CUDA graphs)")
     args = p.parse_args()
     cfg = default_config().copy()
     cfg.train.batch_size = args.batch_size
     cfg.train.optimize = "off" if args.no_optimize else "auto"
+    if args.shapes:
+        cfg.passes.cuda_graphs, cfg.pipeline.step_graphs = "off", "off"
     graph = load_dataset(args.dataset, edge_dim=args.edge_dim)
     torch.manual_seed(0)
     trainer = Trainer(build_model(args.model, graph), graph, cfg, progress=False)
@@ -45,7 +52,7 @@ def main() -> int:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=args.shapes) as prof:
         stats = trainer.train_epoch(2)
     print(f"profiled epoch: {stats.seconds:.3f} s (with profiler overhead), stages "
           + " ".join(f"{k}={v:.3f}" for k, v in stats.stages.items()))
@@ -53,6 +60,13 @@ def main() -> int:
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     if torch.cuda.is_available():
         print(table.table(sort_by="self_device_time_total", row_limit=args.rows))
+    if args.shapes:
+        products = [e for e in prof.key_averages(group_by_input_shape=True)
+                    if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")]
+        products.sort(key=lambda e: -e.device_time_total)
+        print(f"{'op':<12} {'calls':>6} {'device ms':>10}  input shapes")
+        for e in products[: args.rows]:
+            print(f"{e.key:<12} {e.count:>6} {e.device_time_total / 1e3:>10.1f}  {e.input_shapes}")
     if args.trace:
         prof.export_chrome_trace(args.trace)
     return 0

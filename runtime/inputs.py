@@ -65,7 +65,10 @@ class GraphInputs:
     def layer_neighbors(self, i: int, h: torch.Tensor) -> torch.Tensor:
         """``[M_i, k_i, d]`` rows of ``h`` (one per row of ``nodes[i + 1]``) for layer ``i``'s slots."""
         if self.nbr_index is not None and i < len(self.nbr_index):
-            return h[self.nbr_index[i]]
+            # index_select, not h[index]: its backward adds into the rows (index_add_), where
+            # advanced indexing's sorts the slots first (1.6 ms a TGAT batch on an H200)
+            index = self.nbr_index[i]
+            return h.index_select(0, index.reshape(-1)).view(*index.shape, h.shape[-1])
         return h.view(self.dt[i].shape[0], self.dt[i].shape[1], -1)
 
     @property
