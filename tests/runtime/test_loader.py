@@ -126,11 +126,11 @@ def test_merged_repeats_give_the_per_slot_outputs(small_graph, name, placement):
 
 
 def test_trainer_merges_repeats_for_models_that_read_the_index(small_graph):
-    t = Trainer(build_model("tgat", small_graph, **TINY["tgat"]), small_graph, config(), progress=False)
+    t = Trainer(build_model("tgat", small_graph, **TINY["tgat"]), small_graph, config(sampler__hop_dedup=True),
+                progress=False)
     assert t.sampler.hop_dedup and t.build_inputs(small_graph.src[:50], small_graph.ts[:50] + 1).nbr_index
-    off = Trainer(build_model("tgat", small_graph, **TINY["tgat"]), small_graph,
-                  config(sampler__hop_dedup=False), progress=False)
-    assert not off.sampler.hop_dedup
+    off = Trainer(build_model("tgat", small_graph, **TINY["tgat"]), small_graph, config(), progress=False)
+    assert not off.sampler.hop_dedup and off.build_inputs(small_graph.src[:50], small_graph.ts[:50] + 1).nbr_index is None
 
 
 def test_unique_ids_are_padded_to_the_largest_bucket_seen_per_kind(small_graph):
