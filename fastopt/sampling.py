@@ -47,6 +47,7 @@ class NumpySampler:
         self.num_nodes = int(graph.num_nodes)
         self.seed = int(seed)
         self.hop_dedup = bool(hop_dedup)
+        self.undirected = bool(undirected)
         self._epoch = 0
         self._calls = 0
         src, dst, ts = check_graph_arrays(graph, limit)
@@ -84,7 +85,7 @@ class NumpySampler:
             block = self._sample_layer(dst, dst_t, valid, k)
             blocks.append(block)
             if self.hop_dedup and layer + 1 < len(self.fanouts):
-                dst, dst_t, valid = (t.numpy() for t in merge_repeats(block, self.num_edges))
+                dst, dst_t, valid = (t.numpy() for t in merge_repeats(block, self.num_edges, undirected=self.undirected))
                 continue
             dst = block.nbr_nodes.numpy().reshape(-1)
             dst_t = block.nbr_times.numpy().reshape(-1)

@@ -14,7 +14,7 @@ padded ones included, whose rows are then fully masked), each at its own edge's 
 **Merged repeats** (``hop_dedup``): a node reached through the same event by several slots of a
 layer is one destination of the next layer, not one per slot. Layer ``l + 1``'s destinations
 are then the distinct ``(neighbor, edge)`` pairs of layer ``l``'s valid slots (sorted by node,
-then edge id), optionally followed by padding rows (copies of slot 0, never valid, so fully
+then edge id; by edge id on a directed graph), optionally followed by padding rows (copies of slot 0, never valid, so fully
 masked); block ``l`` records ``nbr_rows`` (``[M, k]``: each slot's row among layer ``l + 1``'s
 destinations; padded slots read rows spread over them) and ``row_slots`` (for each such row, one slot it came from).
 Its embedding is computed once instead of once per repeat: under uniform sampling with
@@ -92,8 +92,8 @@ class SampledBatch:
         return len(self.blocks)
 
 
-def merge_repeats(block: TemporalBlock, num_edges: int,
-                  pad: Optional[Callable[[int], int]] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def merge_repeats(block: TemporalBlock, num_edges: int, pad: Optional[Callable[[int], int]] = None,
+                  undirected: bool = True) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Merge the repeats of ``block``'s valid slots into the next layer's destinations.
 
     Fills ``block.nbr_rows`` and ``block.row_slots`` (see the module docstring) and returns the
@@ -104,9 +104,11 @@ def merge_repeats(block: TemporalBlock, num_edges: int,
     mask = block.mask.numpy().reshape(-1)
     nbr = block.nbr_nodes.numpy().reshape(-1)
     slots = np.flatnonzero(mask)
-    key = nbr[slots] * np.int64(num_edges + 1) + block.nbr_eids.numpy().reshape(-1)[slots]
-    # np.unique's return_index sorts stably (a merge sort, 3x slower): any slot of a key will do
-    order = np.argsort(key)
+    eid = block.nbr_eids.numpy().reshape(-1)[slots]
+    # a directed edge has one neighbor side: the edge id alone is the pair
+    key = nbr[slots] * np.int64(num_edges + 1) + eid if undirected else eid
+    # stable: a row's slot is the first slot of its key (the compiled sampler's choice too)
+    order = np.argsort(key, kind="stable")
     starts = np.empty(key.shape[0], dtype=bool)
     starts[:1] = True
     np.not_equal(key[order[1:]], key[order[:-1]], out=starts[1:])

@@ -78,6 +78,7 @@ cdef class TemporalSampler:
     cdef int64_t* _rows  # [num_nodes] node -> row under the reordering (NULL: identity)
     cdef int64_t* _fanout
     cdef Bitset* _bitsets  # one per dedup task
+    cdef Bitset* _merge_bits  # merged repeats' keys (hop_dedup)
     cdef int* _cpus  # CPU of each thread when pinned (NULL: not pinned)
     cdef int _num_layers
     cdef int _nthreads
@@ -103,6 +104,7 @@ cdef class TemporalSampler:
 
     cdef int _num_tasks(self)
     cdef bint _is_node_task(self, int i)
+    cdef tuple _merge(self, block, next_hint, str kind)
     cdef _pin(self, roots)
     cdef _sample(self, roots, times)
     cdef tuple _plan_dedup(self, roots, list blocks, Task* tasks, Seg* segs)

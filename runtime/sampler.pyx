@@ -46,7 +46,7 @@ from libc.string cimport memcpy
 from fastopt import config as fconfig
 from fastopt.config import default_config
 from fastopt.errors import SamplerError
-from fastopt.runtime.blocks import SampledBatch, TemporalBlock, Unique, merge_repeats
+from fastopt.runtime.blocks import SampledBatch, TemporalBlock, Unique
 from fastopt.runtime.inputs import HighWater
 from fastopt.runtime.reorder import node_rows
 from fastopt.runtime.topology import plan_placement, read_topology, static_chunks
@@ -217,6 +217,8 @@ cdef inline int _sample_row(const Layer* c, int64_t i) noexcept nogil:
             if c.next_hint != NULL:
                 c.next_hint[o + j] = e.twin
     for j in range(n, k):
+        if c.next_hint != NULL:
+            c.next_hint[o + j] = -1
         c.nbr[o + j] = 0
         c.eid[o + j] = -1
         c.nts[o + j] = 0.0
@@ -412,6 +414,7 @@ cdef class TemporalSampler:
         self._rows = NULL
         self._fanout = NULL
         self._bitsets = NULL
+        self._merge_bits = NULL
         self._cpus = NULL
         self._num_layers = 0
 
@@ -421,6 +424,9 @@ cdef class TemporalSampler:
             for i in range(self._num_tasks()):
                 _bitset_free(&self._bitsets[i])
         free(self._bitsets)
+        if self._merge_bits != NULL:
+            _bitset_free(self._merge_bits)
+            free(self._merge_bits)
         free(self._edges)
         free(self._indptr)
         free(self._ptr)
@@ -473,6 +479,9 @@ cdef class TemporalSampler:
             for i in range(self._num_tasks()):
                 _bitset_init(&self._bitsets[i], self._num_nodes if self._is_node_task(i)
                              else self._num_edges + 1)
+        if self.hop_dedup:  # keys: a twin entry (undirected) or an edge id (directed)
+            self._merge_bits = <Bitset*>calloc(1, sizeof(Bitset))
+            _bitset_init(self._merge_bits, (2 * self._num_edges if self.undirected else self._num_edges) + 1)
         self.reset(0)
 
     # ------------------------------------------------------------------ construction
@@ -650,10 +659,7 @@ cdef class TemporalSampler:
                 if l + 1 == L:
                     break
                 if self.hop_dedup:
-                    pad = None if self._high_water is None else (lambda n, l=l: self._high_water(f"hop{l}", n))
-                    dst, dst_t, valid = merge_repeats(block, self._num_edges, pad)
-                    if next_hint is not None:  # no slots at all: padding rows, never read
-                        hint = next_hint[block.row_slots] if next_hint.numel() else torch.zeros_like(dst)
+                    dst, dst_t, valid, hint = self._merge(block, next_hint, f"hop{l}")
                 else:
                     dst, dst_t, valid, hint = nbr.view(-1), nts.view(-1), mask.view(-1), next_hint
                 m = dst.shape[0]
@@ -676,6 +682,76 @@ cdef class TemporalSampler:
         finally:
             free(tasks)
             free(segs)
+
+    cdef tuple _merge(self, block, next_hint, str kind):
+        """:func:`~fastopt.runtime.blocks.merge_repeats` without the GIL: a slot's key is its
+        twin entry (the event's entry in the neighbor's row: one per (neighbor, event); an
+        undirected self loop's two entries take the smaller) or, on a directed graph, its edge
+        id; the keys' bitmap dedup sorts them, so rows follow the T-CSR (by neighbor row, then
+        time). Returns the next layer's nodes, times, validity and twin hints (None: directed)."""
+        cdef int64_t n = block.mask.numel(), s, r, t, count, shift, rows
+        cdef Task task
+        cdef Seg seg
+        keys = torch.empty(n, dtype=torch.int64)
+        inverse = torch.empty(n, dtype=torch.int64)
+        values = torch.empty(n + 1, dtype=torch.int64)
+        nbr_rows = torch.empty(block.mask.shape, dtype=torch.int64)
+        cdef int64_t* key = <int64_t*>_ptr(keys)
+        cdef int64_t* inv = <int64_t*>_ptr(inverse)
+        cdef int64_t* out_rows = <int64_t*>_ptr(nbr_rows)
+        cdef const int64_t* nbr = <int64_t*>_ptr(block.nbr_nodes)
+        cdef const int64_t* eid = <int64_t*>_ptr(block.nbr_eids)
+        cdef const double* nts = <double*>_ptr(block.nbr_times)
+        cdef const uint8_t* mask = <uint8_t*>_ptr(block.mask)
+        cdef const int64_t* hint = NULL if next_hint is None else <int64_t*>_ptr(next_hint)
+        cdef const Entry* edges = self._edges
+        task.first, task.nseg, task.offset, task.values, task.bits = 0, 1, 1, <int64_t*>_ptr(values), self._merge_bits
+        seg.ids, seg.inv, seg.n, seg.source = key, inv, n, NULL
+        with nogil:
+            for s in range(n):
+                if not mask[s]:
+                    key[s] = -1
+                elif hint != NULL:
+                    t = hint[s]
+                    if edges[t].nbr == nbr[s] and edges[t].twin < t:
+                        t = edges[t].twin
+                    key[s] = t
+                else:
+                    key[s] = eid[s]
+            _dedup_task(&task, &seg)
+        shift = 1 if task.count and values[0] < 0 else 0
+        count = task.count - shift
+        rows = max(count, 1) if self._high_water is None else max(self._high_water(kind, count), count, 1)
+        row_slots = torch.full((rows,), -1, dtype=torch.int64)
+        dst = torch.zeros(rows, dtype=torch.int64)
+        dst_t = torch.zeros(rows, dtype=torch.float64)
+        valid = torch.zeros(rows, dtype=torch.bool)
+        valid[:count] = True
+        row_hint = None if hint == NULL else torch.zeros(rows, dtype=torch.int64)
+        cdef int64_t* slot_of = <int64_t*>_ptr(row_slots)
+        cdef int64_t* dst_p = <int64_t*>_ptr(dst)
+        cdef double* dst_tp = <double*>_ptr(dst_t)
+        cdef int64_t* hint_p = NULL if row_hint is None else <int64_t*>_ptr(row_hint)
+        with nogil:
+            for s in range(n):  # in slot order: a row's slot is its first
+                if not mask[s]:
+                    out_rows[s] = s % (count if count > 0 else 1)  # spread; masked anyway
+                    continue
+                r = inv[s] - shift
+                out_rows[s] = r
+                if slot_of[r] < 0:
+                    slot_of[r] = s
+                    dst_p[r] = nbr[s]
+                    dst_tp[r] = nts[s]
+                    if hint_p != NULL:
+                        hint_p[r] = hint[s]
+            for r in range(count, rows):  # padding rows: copies of slot 0, never valid
+                slot_of[r] = 0
+                if n:
+                    dst_p[r] = nbr[0]
+                    dst_tp[r] = nts[0]
+        block.nbr_rows, block.row_slots = nbr_rows, row_slots
+        return dst, dst_t, valid, row_hint
 
     cdef tuple _plan_dedup(self, roots, list blocks, Task* tasks, Seg* segs):
         """Point the dedup tasks at their id arrays; allocate their inverses and value buffers.
