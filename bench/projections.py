@@ -30,7 +30,7 @@ import torch
 
 import fastopt.config as fconfig
 from _meta import write_record
-from fastopt.codegen import kernels as codegen_kernels
+from fastopt.codegen.families.matmul import matmul
 from kernels import GraphTimer
 
 
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         knobs = dict(kernels__matmul_block_m=bm, kernels__matmul_block_n=bn,
                      kernels__matmul_block_k=bk, kernels__matmul_warps=warps)
         for precision in ("tf32x3", "ieee"):
-            impls[f"{precision} {tile}"] = (functools.partial(codegen_kernels.matmul,
+            impls[f"{precision} {tile}"] = (functools.partial(matmul,
                                                               precision=precision), knobs)
     rows = []
     for name, product in PRODUCTS.items():

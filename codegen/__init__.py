@@ -15,30 +15,31 @@ Public surface (stable signatures; the fx passes rewrite onto these):
 - :func:`column_sum` ``(x)``: ``x.sum(0)`` of a matrix, deterministic, by a generated kernel
 - :func:`attention_mapping` ``(slots, heads, dim)``: the attention kernels' thread mapping for
   that shape, in words (for reports)
+- :func:`select_backend` ``(t)``: ``"triton"`` or ``"reference"`` for inputs where ``t`` is
 
-Each of the first four is a ``torch.library`` custom op (``torch.ops.fastopt.*``) with autograd and a fake
-implementation; :mod:`fastopt.codegen.reference` holds the plain-PyTorch reference of each, which
-is the CPU path and the test oracle.
+Each of the first four is a ``torch.library`` custom op (``torch.ops.fastopt.*``) with autograd and
+a fake implementation, registered by :func:`fastopt.codegen.library.fused_op`;
+:mod:`fastopt.codegen.reference` holds the plain-PyTorch reference of each, which is the CPU path
+and the test oracle.
 
-Layout: ``reference.py`` (oracles), ``checks.py`` (input validation), ``ops.py`` (custom ops,
-backend choice), ``kernels.py`` (specialization and launch), ``kernel_config.py`` (thread mapping),
-``cache.py`` (content-addressed kernel cache), ``templates/*.py.jinja`` (one per kernel family).
+Layout: ``families/`` (one place per kernel family: template, checks, reference, launchers,
+operator), ``library.py`` (the registration helper, backend choice), ``kernels.py`` (rendering,
+specialization, launch), ``checks.py`` and ``layout.py`` (what the families share),
+``kernel_config.py`` (thread mapping), ``cache.py`` (content-addressed kernel cache),
+``reference.py`` (the references in one namespace). ``README.md`` shows how to add a family.
 
 Layering: imports nothing of fastopt but :mod:`fastopt.config` and :mod:`fastopt.errors`.
 """
 
 from fastopt.codegen import reference
+from fastopt.codegen.families.column_sum import column_sum
+from fastopt.codegen.families.masked_aggregate import masked_aggregate
+from fastopt.codegen.families.matmul import linear
+from fastopt.codegen.families.temporal_attention import (dropout_seed, shared_attention,
+                                                         temporal_attention)
+from fastopt.codegen.families.time_encode import time_encode
 from fastopt.codegen.kernel_config import attention_mapping
-from fastopt.codegen.ops import (
-    column_sum,
-    dropout_seed,
-    linear,
-    masked_aggregate,
-    select_backend,
-    shared_attention,
-    temporal_attention,
-    time_encode,
-)
+from fastopt.codegen.library import select_backend
 
 __all__ = [
     "temporal_attention",

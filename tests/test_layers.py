@@ -171,7 +171,7 @@ def _add(tree: Path, file: str, line: str) -> None:
     ("runtime/slimcache.py", "from fastopt.passes import optimize_module",
      "fastopt.runtime imports fastopt.passes"),
     ("runtime/loader.py", "import fastopt.trainer", "fastopt.runtime imports fastopt.trainer"),
-    ("codegen/ops.py", "from fastopt.models import build_model", "fastopt.codegen imports fastopt.models"),
+    ("codegen/library.py", "from fastopt.models import build_model", "fastopt.codegen imports fastopt.models"),
     ("codegen/cache.py", "from fastopt import Trainer", "fastopt.codegen imports fastopt ("),
     ("runtime/blocks.py", "from ..passes import report", "fastopt.runtime imports fastopt.passes.report"),
     ("fastopt/config.py", "from fastopt.data import load_dataset", "fastopt.config imports fastopt.data"),

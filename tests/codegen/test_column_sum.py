@@ -87,12 +87,12 @@ def test_rewritten_projections_sum_bias_gradients_by_the_kernel(device, monkeypa
     """``passes.bias_grad_kernel="always"``: split and merged Linears (TGAT's style) and a fused
     nn.MultiheadAttention's projections (TGN's) give the eager layers' values and gradients."""
     import fastopt
-    from fastopt.codegen import kernels
+    from fastopt.codegen.families import column_sum
     from fastopt.models.layers import MultiheadTemporalAttention, TemporalAttention
 
     summed = []
-    monkeypatch.setattr(kernels, "column_sum",
-                        lambda x, sum_=kernels.column_sum: summed.append(x.shape) or sum_(x))
+    monkeypatch.setattr(column_sum, "launch",
+                        lambda x, sum_=column_sum.launch: summed.append(x.shape) or sum_(x))
 
     torch.manual_seed(0)
     rows, slots = 6, 5

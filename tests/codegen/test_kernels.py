@@ -15,7 +15,10 @@ import torch
 import fastopt.codegen as cg
 import fastopt.config as fconfig
 from codegen_inputs import as_double, neighbors, randn, rel_error, table_index
-from fastopt.codegen import checks, kernels, reference
+from fastopt.codegen import kernels, reference
+from fastopt.codegen.families import segment_reduce
+from fastopt.codegen.families.temporal_attention import checks
+from fastopt.codegen.families.temporal_attention.reference import attention_dropout
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
 
@@ -278,7 +281,7 @@ def test_dropout_keeps_expected_fraction(device):
     draws = keep.numel()
     fraction = keep.mean().item()
     assert abs(fraction - (1 - p)) < 4 * ((p * (1 - p)) / draws) ** 0.5
-    expected = reference._attention_dropout(123, p, rows, heads, slots, torch.device("cpu"))
+    expected = attention_dropout(123, p, rows, heads, slots, torch.device("cpu"))
     assert torch.equal(keep.bool(), expected)
 
 
@@ -370,12 +373,10 @@ def test_keys_and_values_sharing_one_index(mode, device):
 @pytest.mark.parametrize("table_rows", [7, 1 << 15, (1 << 15) + 1, 1 << 16, (1 << 16) + 1])
 def test_segments_group_slots_by_row_in_slot_order(table_rows):
     """The inverse index (stable sort + CSR) for every sort-key width: int16, shifted int16, int32."""
-    from fastopt.codegen import kernels
-
     gen = torch.Generator().manual_seed(table_rows)
     index = torch.randint(0, table_rows, (50, 10), generator=gen)
     index[0, :3] = torch.tensor([0, table_rows - 1, table_rows - 1])
-    perm, segptr = kernels._Segments().of(index, table_rows)
+    perm, segptr = segment_reduce.Segments().of(index, table_rows)
     flat = index.reshape(-1)
     assert segptr.shape == (table_rows + 1,) and int(segptr[0]) == 0
     assert int(segptr[-1]) == flat.numel()

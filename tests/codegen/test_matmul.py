@@ -8,7 +8,7 @@ import torch
 import fastopt.codegen as cg
 import fastopt.config as fconfig
 from codegen_inputs import rel_error
-from fastopt.codegen import kernels
+from fastopt.codegen.families import matmul
 from fastopt.errors import ConfigError, KernelError
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
@@ -51,9 +51,9 @@ def test_linear_reads_strided_operands_in_place(device):
 
 def test_weight_gradient_rows_split_only_when_tiles_are_few():
     cpu = torch.device("cpu")
-    assert kernels._splits(1, 600, 32, cpu) == 4  # 4 "processors" off the GPU, 600 // 128 spans
-    assert kernels._splits(1, 100, 32, cpu) == 1  # too shallow to split
-    assert kernels._splits(8, 60000, 32, cpu) == 1  # tiles enough to fill the processors
+    assert matmul._splits(1, 600, 32, cpu) == 4  # 4 "processors" off the GPU, 600 // 128 spans
+    assert matmul._splits(1, 100, 32, cpu) == 1  # too shallow to split
+    assert matmul._splits(8, 60000, 32, cpu) == 1  # tiles enough to fill the processors
 
 
 @pytest.mark.parametrize("tile", [dict(kernels__matmul_block_m=16, kernels__matmul_block_n=32,

@@ -190,7 +190,7 @@ def test_index_range_check_can_be_skipped():
     q, k, v, index, _ = _attention_args()
     bad = torch.full_like(index, 99)
     with fconfig.patch(kernels__check_inputs=False):
-        from fastopt.codegen import checks
+        from fastopt.codegen.families.temporal_attention import checks
 
         checks.check_attention(q, k, v, None, None, bad, bad, None, 0.0, 0)
 
@@ -211,7 +211,7 @@ def test_eager_path_matches_the_custom_op():
         op, _ = torch.ops.fastopt.temporal_attention(q, k, v, nbrs.mask, None, index, index,
                                                      q.shape[-1] ** -0.5, 0.2, 4)
         op_grads = torch.autograd.grad(op, (q, k, v), grad)
-    assert eager.grad_fn is not None and "EagerAttention" in type(eager.grad_fn).__name__
+    assert eager.grad_fn is not None and "EagerTemporalAttention" in type(eager.grad_fn).__name__
     assert torch.equal(eager, op)
     for a, b in zip(eager_grads, op_grads):
         assert torch.equal(a, b)

@@ -1,0 +1,19 @@
+"""The kernel families of :mod:`fastopt.codegen`, one place each.
+
+A family is its template ``<family>.py.jinja`` and, beside it, the module ``<family>.py`` (a
+package ``<family>/`` once it outgrows one file) that holds everything else about it: argument
+checks, the plain-PyTorch reference, the launchers, and the operator registered by
+:func:`fastopt.codegen.library.fused_op` with its public function. ``time_encode`` is the
+smallest complete example (``codegen/README.md`` walks through adding one).
+
+- ``temporal_attention``: gather, score, edge softmax and weighted sum, with an optional feature
+  block shared by all heads (``shared_attention``);
+- ``masked_aggregate``: sum or mean of each destination's valid neighbor rows;
+- ``time_encode``: ``cos(dt w + b)``;
+- ``segment_reduce``: the deterministic scatter of per-slot gradients into table rows (the
+  backward of the two neighbor families; no operator of its own);
+- ``matmul``: the projections' products (:func:`~fastopt.codegen.families.matmul.linear`);
+- ``column_sum``: deterministic column sums (bias gradients).
+
+Nothing is re-exported here: ``fastopt.codegen`` is the public surface.
+"""

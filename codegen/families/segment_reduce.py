@@ -1,0 +1,107 @@
+"""Deterministic scatter of per-slot gradients into table rows, as a segmented reduction.
+
+The backward of the neighbor families (``temporal_attention``, ``masked_aggregate``) with
+indexed inputs sums each slot's gradient into its table row. With
+``config.kernels.backward_mode = "deterministic"`` they write per-slot coefficients and call
+:func:`segment_reduce`, which sums every table row's slots in sorted order within one program
+(``segment_reduce.py.jinja``); no operator of its own, so no reference: the callers' references
+are the oracle.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from fastopt.codegen import kernels
+from fastopt.errors import KernelError
+
+__all__ = ["Segments", "segment_reduce"]
+
+
+class Segments:
+    """Slots grouped by table row (sorted permutation + CSR offsets), shared by k and v.
+
+    One stable sort of the flattened index and a ``searchsorted`` of the row ids into the sorted
+    keys give the inverse index as CSR, all on the device and without a host synchronization
+    (``bincount`` on CUDA would read its maximum back to size the result). Keys are as narrow as
+    the table allows, since the radix sort makes one pass per key byte: int16 up to 65,536 rows
+    (shifted by -32,768 above 32,768, which keeps the order), int32 below 2**31, int64 beyond.
+    """
+
+    def __init__(self):
+        self._cache = {}
+
+    def of(self, index: Tensor, table_rows: int) -> Tuple[Tensor, Tensor]:
+        key = (index.data_ptr(), tuple(index.shape), table_rows)
+        if key not in self._cache:
+            key_dtype, shift = _sort_keys(table_rows)
+            flat = index.reshape(-1)
+            keys = (flat - shift if shift else flat).to(key_dtype)
+            sorted_keys, perm = torch.sort(keys, stable=True)
+            segptr = torch.empty(table_rows + 1, dtype=torch.int64, device=index.device)
+            segptr[:1].zero_()
+            # segptr[u + 1] = number of slots whose row is <= u
+            torch.searchsorted(sorted_keys, _row_ids(table_rows, index.device, key_dtype, shift),
+                               right=True, out=segptr[1:])
+            self._cache[key] = (perm, segptr)
+        return self._cache[key]
+
+
+def _sort_keys(table_rows: int) -> Tuple[torch.dtype, int]:
+    """Narrowest sort-key dtype for row ids ``0 .. table_rows - 1`` and the shift that fits them."""
+    if table_rows <= 1 << 15:
+        return torch.int16, 0
+    if table_rows <= 1 << 16:
+        return torch.int16, 1 << 15
+    return (torch.int32, 0) if table_rows < 2**31 else (torch.int64, 0)
+
+
+# row ids - shift, per (device, dtype, shift), grown on demand: one arange launch saved per backward.
+# Every size ever handed out stays alive: a captured CUDA graph keeps reading the one it was given.
+_ROW_IDS: Dict[tuple, List[Tensor]] = {}
+
+
+def _row_ids(count: int, device: torch.device, dtype: torch.dtype, shift: int = 0) -> Tensor:
+    sizes = _ROW_IDS.setdefault((device, dtype, shift), [])
+    if not sizes or sizes[-1].numel() < count:
+        limit = torch.iinfo(dtype).max + shift + 1
+        size = min(limit, max(count, 2 * sizes[-1].numel())) if sizes else count
+        sizes.append((torch.arange(size, device=device, dtype=torch.int64) - shift).to(dtype))
+    return sizes[-1][:count]
+
+
+def segment_reduce(terms: Sequence[Tuple[Tensor, Tensor]], index: Tensor, table_rows: int,
+                   dtype: torch.dtype, segments: Optional[Segments] = None) -> Tuple[Tensor, ...]:
+    """``out[u] = sum over slots (m, j) with index[m, j] == u of coef[m, :, j] * x[m]``.
+
+    Deterministic: each table row sums its slots in sorted order within one program. One or two
+    ``(coef, x)`` terms share the index, its sort and one launch.
+
+    Args:
+        terms: ``(coef [M, H, K], x [M, H, d])`` pairs: per-slot, per-head coefficients and the
+            row vectors they scale.
+        index: Table rows ``[M, K]``.
+        table_rows: U.
+        dtype: Result dtype.
+        segments: Sorted slots to reuse across calls with the same index.
+
+    Returns:
+        One ``[U, H, d]`` table per term.
+    """
+    if len(terms) not in (1, 2):
+        raise KernelError(f"segment_reduce takes 1 or 2 (coef, x) terms (got {len(terms)}); "
+                          f"call it once per pair of terms")
+    rows, heads, dim = terms[0][1].shape
+    slots = index.shape[1]
+    perm, segptr = (segments or Segments()).of(index, table_rows)
+    kernel = kernels.specialize("segment_reduce", index.device, (slots, heads, dim), row_tiles=True,
+                                K=slots, H=heads, D=dim, dtype=kernels.TL_DTYPES[dtype],
+                                acc=kernels.TL_DTYPES[terms[0][0].dtype], pair=len(terms) == 2)
+    outs = tuple(kernels.empty((table_rows, heads, dim), dtype, index.device) for _ in terms)
+    args = [a for (coef, x), out in zip(terms, outs) for a in (coef, x, out)]
+    kernel.launch(kernel.cfg.tile_grid(table_rows, heads), *args, perm, segptr, table_rows)
+    return outs
+
