@@ -6,6 +6,8 @@ operators with the most host time and the most device time, and the epoch's stag
     python bench/epoch_profile.py --model tgn --batch-size 600 [--no-optimize] [--trace out.json]
     python bench/epoch_profile.py --model tgat --shapes   # matrix products by input shape
 
+``--loader`` profiles the loader's producer instead (``Loader.stage`` of one epoch's batches,
+called in turn on this thread, under cProfile): where the host time that feeds the step goes.
 ``--shapes`` runs without CUDA graphs (a replayed graph hides its operators from the profiler)
 and lists the matrix products grouped by their input shapes, by device time.
 
@@ -35,6 +37,7 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=30)
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
     p.add_argument("--shapes", action="store_true", help="matrix products by input shape (no CUDA graphs)")
+    p.add_argument("--loader", action="store_true", help="profile the loader's producer (cProfile)")
     args = p.parse_args()
     cfg = default_config().copy()
     cfg.train.batch_size = args.batch_size
@@ -44,6 +47,8 @@ def main() -> int:
     graph = load_dataset(args.dataset, edge_dim=args.edge_dim)
     torch.manual_seed(0)
     trainer = Trainer(build_model(args.model, graph), graph, cfg, progress=False)
+    if args.loader:
+        return profile_loader(trainer, args.rows)
     for epoch in range(2):
         t0 = time.perf_counter()
         stats = trainer.train_epoch(epoch)
@@ -69,6 +74,33 @@ def main() -> int:
             print(f"{e.key:<12} {e.count:>6} {e.device_time_total / 1e3:>10.1f}  {e.input_shapes}")
     if args.trace:
         prof.export_chrome_trace(args.trace)
+    return 0
+
+
+def profile_loader(trainer: Trainer, rows: int) -> int:
+    """cProfile of ``Loader.stage`` over one epoch's training batches (after one warm-up pass)."""
+    import cProfile
+    import pstats
+
+    loader = trainer.loader
+    batches = list(loader.plan("train", 0))
+    for batch in batches[:20]:
+        loader.stage(batch)
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    t0 = time.perf_counter()
+    for batch in batches:
+        loader.sampler.sample(batch.roots, batch.times)
+    sample = time.perf_counter() - t0
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    for batch in batches:
+        loader.stage(batch)
+    profiler.disable()
+    staged = time.perf_counter() - t0
+    print(f"{len(batches)} batches: sampler.sample alone {sample:.3f} s, Loader.stage {staged:.3f} s "
+          f"(under cProfile)")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(rows)
     return 0
 
 
