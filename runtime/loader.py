@@ -271,12 +271,14 @@ class Loader:
         staged = self.stage(batch, roots=roots, times=np.asarray(times, dtype=np.float64))
         return self.finish(staged).inputs
 
-    def _padded(self, ids: torch.Tensor, kind: str) -> torch.Tensor:
+    def _padded(self, ids: torch.Tensor, kind: str, roots: int) -> torch.Tensor:
         """``ids`` (a batch's unique node or edge ids, ``kind`` "nodes" or "edges") padded with
-        zeros on CUDA to the kind's high-water length (:class:`~fastopt.runtime.inputs.HighWater`)."""
+        zeros on CUDA to the high-water length (:class:`~fastopt.runtime.inputs.HighWater`) of
+        batches of ``roots`` roots: an evaluation batch (more roots: MRR negatives) raises only
+        the lengths of its own shape, not those the training step runs at."""
         if not self.cuda:
             return ids
-        length = self.high_water(kind, ids.numel())
+        length = self.high_water(f"{kind}/{roots}", ids.numel())
         return torch.cat([ids, ids.new_zeros(length - ids.numel())]) if length > ids.numel() else ids
 
     def _unique_edge_ids(self, batch: EventBatch, ints: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
@@ -286,7 +288,7 @@ class Loader:
         if u is None:
             return None
         ints["edge_inverse"] = u.inverse.reshape(-1)
-        return self._padded(u.values.clamp(min=0), "edges")
+        return self._padded(u.values.clamp(min=0), "edges", batch.sampled.roots.numel())
 
     # ------------------------------------------------------------------------ staging
     def stage(self, batch: EventBatch, roots: Optional[np.ndarray] = None,
@@ -311,7 +313,7 @@ class Loader:
         unique = sampled.unique_nodes if sampled is not None else None
         if unique is None:
             unique = Unique.of(ints["roots"])
-        ints["unique_nodes"] = self._padded(unique.values, "nodes")
+        ints["unique_nodes"] = self._padded(unique.values, "nodes", ints["roots"].numel())
         ints["node_inverse"] = _set_inverse(unique.inverse.reshape(-1), ints["roots"].numel(), blocks)
         staged = _Staged(batch, len(blocks))
         if self.edge_rows and blocks and self.placement == "device" and self.edge_table is not None:

@@ -395,8 +395,9 @@ cdef class TemporalSampler:
             (:func:`~fastopt.runtime.blocks.merge_repeats`): for consumers that read
             ``nbr_rows``; the trainer turns it on for models that declare ``reads_nbr_index``
             when ``sampler.hop_dedup`` allows. With one layer there is nothing to merge.
-        pad_rows: pad merged layers' destinations to their high-water bucketed length (a
-            captured CUDA step then sees few shapes).
+        pad_rows: pad merged layers' destinations to their high-water bucketed length per
+            number of roots (a captured CUDA step then sees few shapes; evaluation batches, with
+            more roots, do not pad the training batches).
 
     Call :meth:`reset` at the start of every epoch: it rewinds the per-node time pointers and
     advances the epoch of the random draws. Not reentrant: concurrent calls are serialized.
@@ -659,7 +660,7 @@ cdef class TemporalSampler:
                 if l + 1 == L:
                     break
                 if self.hop_dedup:
-                    dst, dst_t, valid, hint = self._merge(block, next_hint, f"hop{l}")
+                    dst, dst_t, valid, hint = self._merge(block, next_hint, f"hop{l}/{roots.shape[0]}")
                 else:
                     dst, dst_t, valid, hint = nbr.view(-1), nts.view(-1), mask.view(-1), next_hint
                 m = dst.shape[0]

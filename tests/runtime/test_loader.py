@@ -135,13 +135,17 @@ def test_trainer_merges_repeats_for_models_that_read_the_index(small_graph):
 
 def test_unique_ids_are_padded_to_the_largest_bucket_seen_per_kind(small_graph):
     """On CUDA the padded length only grows (one captured shape once batches stop growing);
-    nodes and edges keep their own lengths; the padding is zeros after the ids."""
+    nodes and edges keep their own lengths, and so do batches of another number of roots (an
+    evaluation batch with MRR negatives leaves the training lengths alone); the padding is
+    zeros after the ids."""
     loader = Loader(small_graph, None, torch.device("cpu"), config())
-    assert torch.equal(loader._padded(torch.arange(5), "nodes"), torch.arange(5))  # CPU: as is
+    assert torch.equal(loader._padded(torch.arange(5), "nodes", 1800), torch.arange(5))  # CPU: as is
     loader.cuda = True  # the padding rule alone (no copies are made here)
-    lengths = [loader._padded(torch.arange(n) + 1, "nodes").numel() for n in (300, 900, 400, 1100, 10)]
+    lengths = [loader._padded(torch.arange(n) + 1, "nodes", 1800).numel() for n in (300, 900, 400, 1100, 10)]
     assert lengths == [320, 1024, 1024, 1280, 1280]
-    padded = loader._padded(torch.arange(3) + 1, "edges")
+    assert loader._padded(torch.arange(5000), "nodes", 6000).numel() == 5120  # an evaluation batch
+    assert loader._padded(torch.arange(10), "nodes", 1800).numel() == 1280  # training: unchanged
+    padded = loader._padded(torch.arange(3) + 1, "edges", 1800)
     assert padded.numel() == 256 and torch.equal(padded[:3], torch.arange(3) + 1) and not padded[3:].any()
 
 

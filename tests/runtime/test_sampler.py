@@ -157,6 +157,9 @@ def test_merged_rows_are_padded_to_a_high_water_length(wikipedia):
         assert not batch.blocks[1].mask[count:].any()  # padding rows are never valid
         lengths.append(rows)
     assert lengths == sorted(lengths) and lengths[2] == lengths[1]  # only grows
+    more = s.sample(np.tile(wikipedia.src[5_000:5_300], 4), np.tile(wikipedia.ts[5_000:5_300], 4))
+    assert s.sample(roots, times).blocks[1].num_dst == lengths[2]  # more roots pad apart
+    assert more.blocks[1].num_dst >= more.blocks[0].nbr_rows.max() + 1
 
 
 # ---------------------------------------------------------------------------- "uniform"
