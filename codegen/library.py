@@ -28,9 +28,12 @@ take it (:func:`eager_kernels`); traces and compiled graphs keep seeing the one 
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import inspect
 import operator
 import os
+import warnings
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
@@ -41,7 +44,7 @@ from torch.utils import _python_dispatch
 from fastopt.config import default_config
 from fastopt.errors import KernelError
 
-__all__ = ["fused_op", "FusedOp", "select_backend", "eager_kernels"]
+__all__ = ["fused_op", "FusedOp", "select_backend", "eager_kernels", "triton_available"]
 
 # (kernel launcher, plain-PyTorch reference) of one direction of an operator
 Implementations = Tuple[Callable, Callable]
@@ -54,18 +57,35 @@ def select_backend(t: Tensor) -> str:
     CUDA tensors and the references on CPU tensors; ``"triton"`` runs the kernels everywhere (on
     the CPU through the Triton interpreter, ``TRITON_INTERPRET=1``: how CI tests the kernels);
     ``"reference"`` (or ``enabled = False``) runs the references everywhere.
+
+    triton is optional (``pip install "fastopt[gpu]"``): without it ``"auto"`` runs the references
+    on CUDA tensors too, with a warning, and ``"triton"`` is an error naming the package.
     """
     cfg = default_config().kernels
     if not cfg.enabled or cfg.backend == "reference":
         return "reference"
     if cfg.backend == "auto":
+        if t.is_cuda and not triton_available():
+            warnings.warn("triton is not installed, so the generated kernels cannot run on CUDA: "
+                          "fastopt runs their references or the code they replace (slower); pip "
+                          "install \"fastopt[gpu]\" to get them", RuntimeWarning, stacklevel=2)
+            return "reference"
         return "triton" if t.is_cuda else "reference"
+    if not triton_available():
+        raise KernelError("kernels.backend='triton' needs the triton package, which is not installed; "
+                          "pip install \"fastopt[gpu]\" (or triton), or use backend 'auto' or 'reference'")
     if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise KernelError(
             f"kernels.backend='triton' on a {t.device} tensor needs the Triton interpreter; set "
             f"TRITON_INTERPRET=1 before importing triton, or use backend 'auto'"
         )
     return "triton"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """Whether the ``triton`` package is installed (looked up once, without importing it)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)

@@ -88,6 +88,7 @@ def test_load_writes_once_imports_and_reuses(tmp_path):
     assert x.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, -1.0, -1.0, -1.0]
 
 
+@pytest.mark.interpreter  # the rebuilt entry is imported, and it imports triton
 @pytest.mark.parametrize("damage", ["truncated", "altered", "empty"])
 def test_a_damaged_entry_is_rebuilt_and_reported_never_imported(tmp_path, damage):
     cache = KernelCache(tmp_path)
@@ -108,6 +109,7 @@ def test_a_damaged_entry_is_rebuilt_and_reported_never_imported(tmp_path, damage
     assert module.read_text() == good and fn.__name__ == key.kernel_name
 
 
+@pytest.mark.interpreter  # loads an entry, which imports triton
 def test_describe_explains_a_miss(tmp_path):
     cache = KernelCache(tmp_path)
     first = _key()

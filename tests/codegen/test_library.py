@@ -85,7 +85,7 @@ def test_opcheck_passes(weighted):
 @pytest.mark.parametrize("eager", [False, True])
 @pytest.mark.parametrize("backend,forward,backward", [
     ("reference", [], []),
-    ("triton", ["forward"], ["backward"]),
+    pytest.param("triton", ["forward"], ["backward"], marks=pytest.mark.interpreter),  # backend 'triton' needs it
 ])
 def test_values_gradients_and_the_implementation_that_ran(backend, forward, backward, eager):
     x, weight, s, shift = _inputs(True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -39,10 +41,30 @@ def test_backend_knob_selects_kernels():
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    from fastopt.codegen import library
+
+    monkeypatch.setattr(library, "triton_available", lambda: True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with fconfig.patch(kernels__backend="triton"):
         with pytest.raises(KernelError, match="TRITON_INTERPRET=1"):
             cg.select_backend(torch.zeros(1))
+
+
+def test_without_triton_auto_runs_references_and_triton_names_the_package(monkeypatch):
+    """triton is optional: where it is missing, "auto" runs the references on CUDA tensors too,
+    warning with the extra that installs it, and "triton" is refused naming the package."""
+    from fastopt.codegen import library
+
+    monkeypatch.setattr(library, "triton_available", lambda: False)
+    on_cuda = types.SimpleNamespace(is_cuda=True, device="cuda:0")  # all select_backend reads
+    with fconfig.patch(kernels__backend="auto"):
+        with pytest.warns(RuntimeWarning, match=r'triton is not installed.*"fastopt\[gpu\]"'):
+            assert cg.select_backend(on_cuda) == "reference"
+        assert cg.select_backend(torch.zeros(1)) == "reference"
+    with fconfig.patch(kernels__backend="triton"):
+        for t in (on_cuda, torch.zeros(1)):
+            with pytest.raises(KernelError, match="needs the triton package.*fastopt\\[gpu\\]"):
+                cg.select_backend(t)
 
 
 def test_opcheck_temporal_attention():

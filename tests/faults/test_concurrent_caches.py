@@ -57,6 +57,7 @@ def race(script: str, go, args=(), processes: int = PROCESSES, **env) -> list:
     return [finish(p).strip().splitlines()[-1] for p in procs]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("start", ["empty", "damaged"])
 def test_processes_compiling_the_same_kernels_all_succeed(tmp_path, start):
     cache_dir = tmp_path / "kernels"

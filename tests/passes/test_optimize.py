@@ -311,7 +311,7 @@ def test_time_encoding_fusion_by_config(mode, monkeypatch):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_time_encoding_factored_out_of_key_value_projections(backend):
     """TGAT's keys/values Linear(cat([h, e, cos(Linear(dt))])): the encoding's weight columns
     are multiplied into the queries (codegen.shared_attention); outputs and every parameter's
