@@ -73,16 +73,17 @@ class NumpySampler:
         self._epoch = self._epoch + 1 if epoch is None else int(epoch)
         self._calls = 0
 
-    def sample(self, roots, times) -> SampledBatch:
-        """Sample every layer for ``roots`` at ``times``."""
+    def sample(self, roots, times, batch: int | None = None) -> SampledBatch:
+        """Sample every layer for ``roots`` at ``times``; ``batch`` keys the uniform draws
+        (default: the number of calls since :meth:`reset`)."""
         roots, times = check_roots(roots, times, self.num_nodes)
         check_sample_size(roots.shape[0], self.fanouts)
-        self._rng = np.random.default_rng([self.seed, self._epoch, self._calls])
+        rng = np.random.default_rng([self.seed, self._epoch, self._calls if batch is None else int(batch)])
         self._calls += 1
         blocks = []
         dst, dst_t, valid = roots, times, np.ones(roots.shape[0], dtype=bool)
         for layer, k in enumerate(self.fanouts):
-            block = self._sample_layer(dst, dst_t, valid, k)
+            block = self._sample_layer(dst, dst_t, valid, k, rng)
             blocks.append(block)
             if self.hop_dedup and layer + 1 < len(self.fanouts):
                 dst, dst_t, valid = (t.numpy() for t in merge_repeats(block, self.num_edges, undirected=self.undirected))
@@ -102,7 +103,7 @@ class NumpySampler:
         end = np.searchsorted(self._keys, dst * self._radix + rank, side="left")
         return start, end
 
-    def _sample_layer(self, dst, dst_t, valid, k) -> TemporalBlock:
+    def _sample_layer(self, dst, dst_t, valid, k, rng: np.random.Generator) -> TemporalBlock:
         m = dst.shape[0]
         start, end = self.candidates(dst, dst_t)
         avail = np.where(valid, end - start, 0)
@@ -112,7 +113,7 @@ class NumpySampler:
         if self.strategy == "recent":
             pos = end[:, None] - 1 - col
         else:
-            draw = self._rng.random((m, k))
+            draw = rng.random((m, k))
             pos = np.where(avail[:, None] <= k, start[:, None] + col,
                            start[:, None] + (draw * avail[:, None]).astype(np.int64))
         pos = np.where(mask, pos, 0)

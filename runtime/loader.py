@@ -39,6 +39,7 @@ runtime modules. The graph is duck-typed (``src``, ``dst``, ``ts``, ``edge_feat`
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 import time
@@ -94,6 +95,7 @@ class EventBatch:
     ts: np.ndarray
     neg: np.ndarray
     extra: Optional[np.ndarray] = None
+    split: str = "train"
     sampled: Optional[SampledBatch] = None
     inputs: Optional[GraphInputs] = None
     event_feat: Optional[torch.Tensor] = None
@@ -174,10 +176,6 @@ class _Staged:
     pending: Optional[object] = None  # SlimCache.stage() of the edge features, finished on use
 
 
-class _End:
-    pass
-
-
 class _Failure:
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
@@ -197,6 +195,7 @@ class Loader:
     def __init__(self, graph, sampler, device: torch.device, config: Config, *,
                  edge_rows: bool = False) -> None:
         self.graph, self.sampler, self.config = graph, sampler, config
+        self._keyed = (None, False)  # (sampler, whether its sample() takes a batch key)
         self.edge_rows = bool(edge_rows)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -214,6 +213,14 @@ class Loader:
             self.cache = SlimCache({"edge": CacheTable(self.edge_table)}, self.device, config.cache)
         self.bytes_h2d = 0  # bytes copied host -> device since construction
         self.high_water = HighWater()  # padded unique lengths: only grow (_padded)
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the sampler's draws are fixed by a batch key (``sample(..., batch=)``): then
+        several staging threads may call it in any order."""
+        if self._keyed[0] is not self.sampler:
+            self._keyed = (self.sampler, self.sampler is not None and _takes_batch_key(self.sampler))
+        return self._keyed[1]
 
     def bytes_moved(self) -> int:
         """Bytes copied host -> device so far: staged batches and the cache's misses."""
@@ -251,7 +258,7 @@ class Loader:
             if mrr_negatives:
                 extra = self.negatives.draw(n * mrr_negatives, epoch, split, b + 1_000_000).reshape(n, mrr_negatives)
             yield EventBatch(b, start, stop, g.src[start:stop], g.dst[start:stop], g.ts[start:stop],
-                             self.negatives.draw(n, epoch, split, b), extra)
+                             self.negatives.draw(n, epoch, split, b), extra, split)
 
     def num_batches(self, split: str) -> int:
         r = self.graph.split_range(split)
@@ -296,7 +303,12 @@ class Loader:
         """Sample ``batch`` and start moving everything it needs to the device (any thread)."""
         roots = batch.roots if roots is None else roots
         times = batch.times if times is None else times
-        sampled = self.sampler.sample(roots, times) if self.sampler is not None else None
+        sampled = None
+        if self.sampler is not None:  # draws keyed by the batch, whichever thread stages it
+            if self.keyed and batch.index >= 0:
+                sampled = self.sampler.sample(roots, times, batch=SPLIT_IDS[batch.split] << 40 | batch.index)
+            else:
+                sampled = self.sampler.sample(roots, times)
         batch.sampled = sampled
         blocks = sampled.blocks if sampled is not None else []
         ints: Dict[str, torch.Tensor] = {"roots": torch.from_numpy(np.ascontiguousarray(roots, dtype=np.int64))}
@@ -468,6 +480,14 @@ class Loader:
         return t["edge_rows"], t.get("edge_inverse")
 
 
+def _takes_batch_key(sampler) -> bool:
+    """Whether ``sampler.sample`` takes ``batch=`` (a key fixing its draws whatever the call order)."""
+    try:
+        return "batch" in inspect.signature(sampler.sample).parameters
+    except (TypeError, ValueError):  # no introspectable signature
+        return False
+
+
 def _node_set(blocks, j: int):
     """Node set ``S_j`` (``j >= 1``) of a sampled batch and its times: the next block's
     destinations where layer ``j - 1``'s repeats were merged, else layer ``j - 1``'s slots."""
@@ -494,7 +514,12 @@ def _sets(t: Dict[str, torch.Tensor], layers: int) -> List[torch.Tensor]:
 
 
 class EpochStream:
-    """Staged batches of one pass, produced ahead on a background thread when the pipeline asks.
+    """Staged batches of one pass, produced ahead on background threads when the pipeline asks.
+
+    ``pipeline.stage_threads`` threads stage whole batches in turn (thread ``w`` batches ``w``,
+    ``w + n``, ...) and the consumer takes them in order: the compiled sampler runs one call at a
+    time, but a batch's packing and copies overlap the next one's sampling. Uniform draws are
+    keyed by the batch, so the batches are the same for any number of threads.
 
     Use as ``with loader.epoch(...) as batches: for batch in batches: ...``; leaving the block
     stops and joins the producer. The time the consumer waits for a batch is the ``sample``
@@ -506,17 +531,28 @@ class EpochStream:
         self._batches = batches
         pipe = loader.config.pipeline
         depth = pipe.prefetch_depth if pipe.async_sampling else 0
+        workers = pipe.stage_threads
         if loader.cache is not None:
             depth = min(depth, 1)  # SlimCache keeps at most two staged lookups per table
+            workers = 1  # and its lookups go in batch order
+        if loader.sampler is not None and not loader.keyed:
+            workers = 1  # draws keyed by the order of calls: one thread keeps them reproducible
         self.depth = depth
-        self._queue: "queue.Queue" = queue.Queue(maxsize=max(depth, 1))
+        self.workers = max(1, min(workers, depth))
+        self._queues: List["queue.Queue"] = [queue.Queue(maxsize=max(1, depth // self.workers))
+                                             for _ in range(self.workers)]
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._threads: List[threading.Thread] = []
 
     def __enter__(self) -> "EpochStream":
         if self.depth > 0:
-            self._thread = threading.Thread(target=self._produce, name="fastopt-loader", daemon=True)
-            self._thread.start()
+            batches = list(self._batches)
+            self._count = len(batches)
+            for w in range(self.workers):
+                thread = threading.Thread(target=self._produce, args=(batches[w::self.workers], self._queues[w]),
+                                          name=f"fastopt-loader-{w}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
         return self
 
     def __exit__(self, *exc) -> bool:
@@ -524,31 +560,30 @@ class EpochStream:
         return False
 
     def close(self) -> None:
-        """Stop the producer and wait for it (idempotent)."""
+        """Stop the producers and wait for them (idempotent)."""
         self._stop.set()
-        if self._thread is not None:
-            while self._thread.is_alive():
+        for thread, q in zip(self._threads, self._queues):
+            while thread.is_alive():
                 try:  # make room so a producer blocked on put() sees the flag
-                    self._queue.get_nowait()
+                    q.get_nowait()
                 except queue.Empty:
                     pass
-                self._thread.join(timeout=_POLL)
-            self._thread = None
+                thread.join(timeout=_POLL)
+        self._threads = []
 
-    def _produce(self) -> None:
+    def _produce(self, batches: List[EventBatch], q: "queue.Queue") -> None:
         try:
-            for batch in self._batches:
+            for batch in batches:
                 if self._stop.is_set():
                     return
-                self._put(self.loader.stage(batch))
-            self._put(_End())
+                self._put(q, self.loader.stage(batch))
         except BaseException as exc:  # handed to the consumer, raised there
-            self._put(_Failure(exc))
+            self._put(q, _Failure(exc))
 
-    def _put(self, item) -> None:
+    def _put(self, q: "queue.Queue", item) -> None:
         while not self._stop.is_set():
             try:
-                self._queue.put(item, timeout=_POLL)
+                q.put(item, timeout=_POLL)
                 return
             except queue.Full:
                 continue
@@ -561,13 +596,11 @@ class EpochStream:
                 with self.timer("gather", host=True):
                     yield self.loader.finish(staged)
             return
-        if self._thread is None:
+        if not self._threads:
             raise ConfigError("iterate an epoch inside `with loader.epoch(...) as batches:`")
-        while True:
+        for i in range(self._count):  # worker w staged batches w, w + workers, ...: take them in turn
             with self.timer("sample", host=True):
-                item = self._queue.get()
-            if isinstance(item, _End):
-                return
+                item = self._queues[i % self.workers].get()
             if isinstance(item, _Failure):
                 raise item.exc
             with self.timer("gather", host=True):

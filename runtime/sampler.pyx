@@ -546,12 +546,15 @@ cdef class TemporalSampler:
             if self._num_nodes:
                 memcpy(self._ptr, self._indptr, self._num_nodes * sizeof(int64_t))
 
-    def sample(self, roots, times):
+    def sample(self, roots, times, batch=None):
         """Sample every layer for ``roots`` at ``times``.
 
         Args:
             roots: ``[R]`` node ids (int64 tensor or array; other integer types are converted).
             times: ``[R]`` query times (float64; other numeric types are converted).
+            batch: a non-negative integer keying this call's uniform draws (with the seed and
+                the epoch), so that they do not depend on the order of calls (several loader
+                threads); default: the number of calls since :meth:`reset`.
 
         Returns:
             A :class:`SampledBatch`: one :class:`TemporalBlock` per layer (outermost first) and,
@@ -567,10 +570,14 @@ cdef class TemporalSampler:
             r, t = (torch.from_numpy(np.require(a, requirements=("C", "W")))
                     for a in check_roots(roots, times, self._num_nodes))
         check_sample_size(r.shape[0], self.fanouts)
+        if batch is not None and (isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 0):
+            raise SamplerError(f"batch {batch!r} must be a non-negative integer (or None: the call count)")
         with self._lock:
             if self.pin_threads:
                 self._pin(r)
-            batch = self._sample(r, t)
+            counter = self._batch if batch is None else int(batch)
+            self._batch += 1
+            batch = self._sample(r, t, counter)
         if batch is None:
             check_roots(roots, times, self._num_nodes)  # raises with the offending value
             raise SamplerError("roots or times are invalid")
@@ -600,7 +607,7 @@ cdef class TemporalSampler:
             self.placement.cpus = None
             self.placement.reason = "the OS refused to pin threads; left them unpinned"
 
-    cdef _sample(self, roots, times):
+    cdef _sample(self, roots, times, uint64_t counter):
         """Every layer, then every dedup of one batch. Each layer's rows are sampled in one
         section without the GIL; merged repeats (``hop_dedup``) are found between layers."""
         cdef int L = self._num_layers, l, nth = self._nthreads, nt = 0, ti
@@ -610,8 +617,7 @@ cdef class TemporalSampler:
         cdef Task* tasks = NULL
         cdef Seg* segs = NULL
         cdef uint64_t key = _mix(self._key ^ _mix(self._epoch * <uint64_t>0x9E3779B97F4A7C15ULL
-                                                  + self._batch))
-        self._batch += 1
+                                                  + counter))
         blocks = []
         dst, dst_t, valid, hint = roots, times, None, None
         try:

@@ -280,6 +280,20 @@ def test_wikipedia_batches_equal_oracle(wikipedia, threads):
         assert_uniques(a)
 
 
+def test_batch_keys_fix_the_draws_whatever_the_call_order(wikipedia):
+    s = TemporalSampler(wikipedia, [10, 5], "uniform", threads=2, seed=3)
+    queries = [(wikipedia.src[i:i + 200], wikipedia.ts[i:i + 200]) for i in (40_000, 60_000, 80_000)]
+    forward = [s.sample(r, t, batch=b) for b, (r, t) in enumerate(queries)]
+    s.reset(s.epoch)
+    backward = [s.sample(r, t, batch=b) for b, (r, t) in reversed(list(enumerate(queries)))][::-1]
+    for a, b in zip(forward, backward):
+        assert_blocks_equal(a, b)
+    other = s.sample(*queries[0], batch=7)
+    assert not torch.equal(other.blocks[0].nbr_eids, forward[0].blocks[0].nbr_eids)
+    with pytest.raises(SamplerError, match="batch -1"):
+        s.sample(*queries[0], batch=-1)
+
+
 def test_limit_uses_only_the_first_events(wikipedia):
     end = wikipedia.train_end
     fast = TemporalSampler(wikipedia, [10], "recent", limit=end)
