@@ -191,9 +191,6 @@ class PipelineConfig:
     prefetch_depth: int = 2
     # sample and stage batches on a background thread (the compiled sampler runs without the GIL)
     async_sampling: bool = True
-    # threads staging batches ahead in turn (at most prefetch_depth; 1 with the SlimCache):
-    # one batch's packing and copies overlap the next one's sampling
-    stage_threads: int = 2
     # whole training steps (forward, loss, backward, Adam, write-back) replayed from CUDA graphs,
     # one per batch shape: "auto" (for a model fastopt.optimize returned, on CUDA), "on", "off"
     step_graphs: str = "auto"
@@ -216,6 +213,11 @@ class ModelConfig:
     dropout: float = 0.1
     # mails kept per node (APAN)
     mailbox_size: int = 10
+    # width of a learnable row per node, appended to its features where the model reads them
+    # (TGAT's layer 0; the node projection of TGN, JODIE, APAN); 0 = none. Gives TGAT something
+    # to tell neighbors apart by on graphs without node features (README, "Graphs without node
+    # features": 100 with train.lr 1e-3)
+    node_embedding: int = 0
 
 
 @dataclass
@@ -408,7 +410,6 @@ class Config:
         _check(self.passes.max_graphs >= 1, "passes.max_graphs", self.passes.max_graphs,
                ">= 1 (use passes.cuda_graphs='off' to capture none)")
         _check(self.pipeline.prefetch_depth >= 0, "pipeline.prefetch_depth", self.pipeline.prefetch_depth, ">= 0")
-        _check(self.pipeline.stage_threads >= 1, "pipeline.stage_threads", self.pipeline.stage_threads, ">= 1")
         _check(self.train.epochs >= 1, "train.epochs", self.train.epochs, ">= 1")
         _check(self.train.batch_size >= 1, "train.batch_size", self.train.batch_size, ">= 1")
         _check(self.train.lr > 0, "train.lr", self.train.lr, "> 0")
@@ -421,6 +422,8 @@ class Config:
             value = getattr(self.model, knob)
             _check(value >= 1, f"model.{knob}", value, ">= 1")
         _check(0.0 <= self.model.dropout < 1.0, "model.dropout", self.model.dropout, "in [0, 1)")
+        _check(self.model.node_embedding >= 0, "model.node_embedding", self.model.node_embedding,
+               ">= 0 (0 = no node embedding)")
         self.model_fanouts()  # raises on a malformed list
         _check(self.tuner.trials >= 1, "tuner.trials", self.tuner.trials, ">= 1")
 

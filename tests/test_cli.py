@@ -170,10 +170,31 @@ def test_config_file_and_flags_set_model_hyperparameters(tiny_file, tmp_path, ca
     (["--model", "tgn", "--fanouts", "10,0"], "--fanouts 10,0: model.fanouts must be"),
     (["--model", "tgn", "--dropout", "1.5"], "model.dropout must be in [0, 1)"),
     (["--model", "tgn", "--patience", "-1"], "train.patience must be >= 0"),
+    (["--model", "tgat", "--node-embedding", "-1"], "model.node_embedding must be >= 0"),
 ])
 def test_bad_model_flags(tiny_file, flags, fragment, capsys):
     assert main(["train", "--dataset", str(tiny_file), "--device", "cpu", "--no-progress"] + flags) == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_node_embedding_flag_and_the_note_without_it(tmp_path, capsys):
+    """On a featureless graph TGAT without --node-embedding gets a note naming the flag; with it
+    the checkpoint holds a row of that width per node."""
+    from fastopt.data import TemporalGraph
+
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 20, 600)
+    path = tmp_path / "featureless.npz"
+    save_npz(TemporalGraph(src, 20 + src, np.sort(rng.uniform(0, 1e4, 600)), 40), path)
+    base = ["train", "--dataset", str(path), "--model", "tgat", "--epochs", "1", "--dim", "8",
+            "--time-dim", "4", "--fanouts", "3,2", "--device", "cpu", "--mrr-negatives", "0",
+            "--no-progress"]
+    assert main(base) == 0
+    assert "--node-embedding 100 --lr 1e-3 gives every node a learnable row" in capsys.readouterr().err
+    assert main(base + ["--node-embedding", "6", "--checkpoint-dir", str(tmp_path / "ckpt")]) == 0
+    assert "--node-embedding" not in capsys.readouterr().err
+    weights = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=True)["model"]
+    assert tuple(weights["node_embedding.weight"].shape) == (40, 6)
 
 
 def test_resume_with_another_model_is_refused(tiny_file, tmp_path, capsys):

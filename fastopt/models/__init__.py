@@ -20,7 +20,8 @@ MODELS = {"tgn": TGN, "tgat": TGAT, "jodie": JODIE, "apan": APAN}
 
 # config.model field -> constructor argument of the reference models
 _ARGUMENTS = {"fanouts": "fanouts", "memory_dim": "memory_dim", "dim": "dim", "time_dim": "time_dim",
-              "heads": "num_heads", "dropout": "dropout", "mailbox_size": "mailbox_size"}
+              "heads": "num_heads", "dropout": "dropout", "mailbox_size": "mailbox_size",
+              "node_embedding": "node_embedding"}
 
 
 def _model_class(name: str) -> type:
@@ -60,11 +61,13 @@ def build_model(name: str, graph, config: Optional[Config] = None, **kwargs) -> 
     dropout 0.1, the model's own neighbors per layer); ``config.model`` (see
     :class:`fastopt.config.ModelConfig`) sets them, and ``kwargs`` (constructor arguments:
     ``memory_dim``, ``dim``, ``time_dim``, ``num_heads``, ``fanouts``, ``dropout``,
-    ``mailbox_size``) override single ones.
+    ``mailbox_size``, ``node_embedding``) override single ones. ``node_embedding=W`` gives every
+    node a learnable row of width ``W`` beside its features (:mod:`fastopt.models.embedding`);
+    on a graph without node features it is what TGAT learns to tell neighbors apart by.
     """
     cls = _model_class(name)
     options = model_options(name, config) if config is not None else {}
     options.update(kwargs)
     if cls is TGAT:
-        return TGAT(graph.node_dim, graph.edge_dim, **options)
+        return TGAT(graph.node_dim, graph.edge_dim, num_nodes=graph.num_nodes, **options)
     return cls(graph.num_nodes, graph.node_dim, graph.edge_dim, **options)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from fastopt.models.base import GraphInputs
+from fastopt.models.embedding import append_node_embedding, node_embedding_table
 from fastopt.models.layers import TimeEncode
 from fastopt.models.tgn import MemoryModel
 
@@ -13,18 +14,21 @@ __all__ = ["JODIE"]
 
 
 class JODIE(MemoryModel):
-    """Memory updated by an ``RNNCell``; embedding ``W (m ⊙ (1 + w Δt))`` with Δt since the update."""
+    """Memory updated by an ``RNNCell``; embedding ``W (m ⊙ (1 + w Δt))`` with Δt since the update,
+    plus projected node features (followed by the node's learnable row where ``node_embedding > 0``)."""
 
     fanouts: list = []
 
     def __init__(self, num_nodes: int, node_dim: int, edge_dim: int, memory_dim: int = 100,
-                 dim: int = 100, time_dim: int = 100) -> None:
+                 dim: int = 100, time_dim: int = 100, node_embedding: int = 0) -> None:
         super().__init__(num_nodes, edge_dim, memory_dim, dim)
         self.mail_time = TimeEncode(time_dim)
         self.rnn = nn.RNNCell(self.memory.mail_dim + time_dim, memory_dim)
         self.time_proj = nn.Linear(1, memory_dim)
         nn.init.normal_(self.time_proj.weight, 0.0, 0.1)
         nn.init.zeros_(self.time_proj.bias)
+        self.node_embedding = node_embedding_table(num_nodes, node_embedding, "JODIE")
+        node_dim += node_embedding
         self.node_proj = nn.Linear(node_dim, memory_dim) if node_dim else None
         self.out = nn.Linear(memory_dim, dim)
 
@@ -40,5 +44,5 @@ class JODIE(MemoryModel):
         dt = ((times.to(since.dtype) - since) / 86400.0).to(memory.dtype).unsqueeze(1)
         h = memory * (1 + self.time_proj(dt))
         if self.node_proj is not None:
-            h = h + self.node_proj(inputs.node_feat[0])
+            h = h + self.node_proj(append_node_embedding(self.node_embedding, [inputs.node_feat[0]], inputs)[0])
         return self.out(h)

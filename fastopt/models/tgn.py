@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from fastopt.models.base import GraphInputs, TGNNModel
+from fastopt.models.embedding import append_node_embedding, node_embedding_table
 from fastopt.models.layers import MultiheadTemporalAttention, TimeEncode
 from fastopt.models.memory import NodeMemory
 
@@ -77,17 +78,23 @@ class MemoryModel(TGNNModel):
 
 
 class TGN(MemoryModel):
-    """TGN with one attention layer over the 10 most recent neighbors (TGL's defaults)."""
+    """TGN with one attention layer over the 10 most recent neighbors (TGL's defaults).
+
+    A node's layer-0 representation is its memory plus a projection of its features: the raw
+    ones followed by its learnable row where ``node_embedding > 0``.
+    """
 
     strategy = "recent"
 
     def __init__(self, num_nodes: int, node_dim: int, edge_dim: int, memory_dim: int = 100,
                  dim: int = 100, time_dim: int = 100, num_heads: int = 2, fanouts=(10,),
-                 dropout: float = 0.1) -> None:
+                 dropout: float = 0.1, node_embedding: int = 0) -> None:
         super().__init__(num_nodes, edge_dim, memory_dim, dim)
         self.fanouts = list(fanouts)
         self.mail_time = TimeEncode(time_dim)
         self.gru = nn.GRUCell(self.memory.mail_dim + time_dim, memory_dim)
+        self.node_embedding = node_embedding_table(num_nodes, node_embedding, "TGN")
+        node_dim += node_embedding
         self.node_proj = nn.Linear(node_dim, memory_dim) if node_dim else None
         self.layers = nn.ModuleList(
             MultiheadTemporalAttention(memory_dim if j == 0 else dim, edge_dim, time_dim, dim, num_heads, dropout)
@@ -104,4 +111,5 @@ class TGN(MemoryModel):
         sets = inputs.nodes[: len(self.fanouts) + 1]
         memory = self.root_memory(torch.cat(sets), inputs.unique_nodes, inputs.node_inverse)
         memory = memory.split([int(n.shape[0]) for n in sets])
-        return self.propagate([self.node_repr(f, m) for f, m in zip(inputs.node_feat, memory)], inputs)
+        feats = append_node_embedding(self.node_embedding, list(inputs.node_feat[: len(sets)]), inputs)
+        return self.propagate([self.node_repr(f, m) for f, m in zip(feats, memory)], inputs)

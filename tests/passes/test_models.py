@@ -55,10 +55,12 @@ def _inputs(model, graph):
     return trainer.build_inputs(roots, times)
 
 
-@pytest.mark.parametrize("name", ["tgn", "tgat", "apan", "jodie"])
-def test_outputs_and_gradients_match_eager(name):
+@pytest.mark.parametrize("name, node_embedding", [("tgn", 0), ("tgat", 0), ("apan", 0), ("jodie", 0),
+                                                  ("tgat", 5), ("tgn", 5)])
+def test_outputs_and_gradients_match_eager(name, node_embedding):
+    """Eval mode; with ``node_embedding`` the table's gradient is compared too."""
     graph = small_graph()
-    model = _model(name, graph).eval()
+    model = _model(name, graph, node_embedding=node_embedding).eval()
     _warm_state(model)
     fast = fastopt.optimize(model, verify=True)
     report = fast.fastopt_report
