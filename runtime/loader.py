@@ -12,8 +12,11 @@ plan -> sample -> stage -> :class:`~fastopt.runtime.GraphInputs`, ahead of the s
   they are the same whatever thread draws them and after a resume.
 * **Sample.** The temporal sampler returns every layer's neighbors and the batch's unique node
   and edge ids (:class:`~fastopt.runtime.SampledBatch`). Graph structure never depends on
-  training state, so a background thread samples ``pipeline.prefetch_depth`` batches ahead
-  (``pipeline.async_sampling``); the compiled sampler runs without the GIL.
+  training state, so background threads sample ``pipeline.prefetch_depth`` batches ahead
+  (``pipeline.async_sampling``; ``pipeline.stage_threads`` threads stage batches in turn, the
+  draws keyed by the batch so that any number of threads gives the same batches); the compiled
+  sampler runs without the GIL. With ``sampler.hop_dedup`` a layer's repeated slots are one
+  node of the next layer (``GraphInputs.nbr_index``).
 * **Stage.** Ids, times and masks are packed per dtype into pinned host buffers and copied on a
   dedicated CUDA stream; an event recorded after the copy lets the compute stream wait for that
   copy alone (never a host ``synchronize``). Static features come from the tables where
@@ -25,12 +28,12 @@ plan -> sample -> stage -> :class:`~fastopt.runtime.GraphInputs`, ahead of the s
   (the path of loaders that copy per slot).
 * **Hand over.** The model receives per-slot tensors (expanded on the device) and the batch's
   unique nodes with their inverse index, the unique count padded on CUDA to the largest bucketed
-  length seen so far (:func:`~fastopt.runtime.inputs.bucket`), so that a captured step sees
+  length seen so far for batches of that many roots (:class:`~fastopt.runtime.inputs.HighWater`), so that a captured step sees
   one shape once batches stop growing.
 
-An exception in the background thread is raised in the consuming thread at the batch where it
-happened; leaving the ``with`` block (normally, by an exception or Ctrl-C) stops the thread and
-waits for it.
+An exception in a background thread is raised in the consuming thread at the batch where it
+happened; leaving the ``with`` block (normally, by an exception or Ctrl-C) stops the threads and
+waits for them.
 
 Layering: imports nothing of fastopt but :mod:`fastopt.config`, :mod:`fastopt.errors` and other
 runtime modules. The graph is duck-typed (``src``, ``dst``, ``ts``, ``edge_feat``,
@@ -42,8 +45,6 @@ from __future__ import annotations
 import inspect
 import queue
 import threading
-import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional
 
@@ -54,6 +55,7 @@ from fastopt.config import Config
 from fastopt.errors import ConfigError
 from fastopt.runtime.blocks import SampledBatch, Unique
 from fastopt.runtime.inputs import GraphInputs, HighWater
+from fastopt.runtime.timing import StageTimer
 
 __all__ = ["EventBatch", "Loader", "NegativeSampler", "StageTimer", "SPLIT_IDS"]
 
@@ -113,56 +115,6 @@ class EventBatch:
     def times(self) -> np.ndarray:
         copies = 3 + (self.extra.shape[1] if self.extra is not None else 0)
         return np.tile(self.ts, copies)
-
-
-class StageTimer:
-    """Time per stage without synchronizing the device on the hot path.
-
-    ``with timer("forward"):`` records a CUDA event pair on the current stream (device time,
-    resolved once in :meth:`totals`); on the CPU, and for host-side waits (``host=True``), wall
-    time is added directly.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._host: Dict[str, float] = defaultdict(float)
-        self._events: Dict[str, List[tuple]] = defaultdict(list)
-
-    def __call__(self, stage: str, host: bool = False) -> "_Stage":
-        return _Stage(self, stage, host or not self.cuda)
-
-    def add(self, stage: str, seconds: float) -> None:
-        self._host[stage] += seconds
-
-    def totals(self) -> Dict[str, float]:
-        """Seconds per stage (waits for the recorded events: call at the end of an epoch)."""
-        for stage, pairs in self._events.items():
-            for start, end in pairs:
-                end.synchronize()
-                self._host[stage] += start.elapsed_time(end) / 1e3
-        self._events.clear()
-        return dict(self._host)
-
-
-class _Stage:
-    def __init__(self, timer: StageTimer, stage: str, host: bool) -> None:
-        self.timer, self.stage, self.host = timer, stage, host
-
-    def __enter__(self):
-        if self.host:
-            self.t0 = time.perf_counter()
-        else:
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
-
-    def __exit__(self, *exc):
-        if self.host:
-            self.timer._host[self.stage] += time.perf_counter() - self.t0
-        else:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.timer._events[self.stage].append((self.start, end))
-        return False
 
 
 @dataclass
