@@ -43,6 +43,8 @@ __all__ = [
     "belady_optimum",
     "access_counts",
     "split_budget",
+    "make_policy",
+    "choose_policy",
     "POLICIES",
 ]
 
@@ -412,7 +414,7 @@ def belady_optimum(stream: Sequence, capacity: int, num_rows: Optional[int] = No
 
 
 def make_policy(name: str, num_rows: int) -> Tuple[ReplacementPolicy, Optional[NextUseIndex]]:
-    """The policy object for a policy name (``auto`` is resolved by the caller first)."""
+    """The policy object for a policy name (``auto`` is resolved by :func:`choose_policy` first)."""
     if name == "lru":
         return LruPolicy(), None
     if name == "static":
@@ -421,3 +423,32 @@ def make_policy(name: str, num_rows: int) -> Tuple[ReplacementPolicy, Optional[N
         index = NextUseIndex(num_rows)
         return FuturePolicy(index), index
     raise CacheError(f"unknown cache policy {name!r}; use one of {', '.join(POLICIES)}")
+
+
+def choose_policy(num_rows: int, capacity: int, sample: Optional[List[torch.Tensor]]) -> str:
+    """``auto``: the policy moving the fewest rows on the sampled batches (``lru`` without one).
+
+    Each candidate runs on a directory of its own over ``sample`` (the unique ids of the leading
+    batches of an epoch); a static hot set counts as moved rows, since it is copied in too.
+    """
+    if sample is None or capacity == 0 or not sample:
+        return "lru"
+    best, best_rows = "lru", None
+    for name in ("future", "lru", "static"):
+        policy, index = make_policy(name, num_rows)
+        directory = SlotDirectory(num_rows, capacity, policy)
+        moved = 0
+        if index is not None:
+            for values in sample:
+                directory.refresh(index.announce(values), index.announced - 1)
+        if name == "static":
+            counts = access_counts(sample, num_rows)
+            hot = torch.nonzero(counts > 0).flatten()
+            order = torch.sort(counts[hot], descending=True, stable=True).indices[:capacity]
+            directory.preload(hot[order])
+            moved += min(hot.numel(), capacity)
+        for values in sample:
+            moved += directory.access(values).miss_pos.numel()
+        if best_rows is None or moved < best_rows:
+            best, best_rows = name, moved
+    return best

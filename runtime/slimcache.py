@@ -32,6 +32,11 @@ Typical loop::
         cache.write("memory", updated_ids, updated_rows)
     cache.flush()
 
+This module holds what spans tables: the budget and its split, the policy choice, planning, the
+lock that serialises calls and the shared copy stream. What one table holds and does (its slots,
+staging a lookup, applying it on the device, writes and write-back, counters) is in
+:mod:`fastopt.runtime.table_cache`, which also defines the data classes exported here.
+
 Layering: imports nothing of fastopt but :mod:`fastopt.config`, :mod:`fastopt.errors` and other
 runtime modules.
 """
@@ -40,9 +45,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import deque
-from dataclasses import dataclass, fields
-from typing import Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import Dict, Iterable, List, Mapping, Optional, Union
 
 import torch
 
@@ -50,15 +53,22 @@ from fastopt.config import CacheConfig, Config
 from fastopt.errors import CacheError, ConfigError, device_memory_guard
 from fastopt.runtime.blocks import Unique
 from fastopt.runtime.cache_policy import (
-    AccessPlan,
     BeladyResult,
-    SlotDirectory,
     access_counts,
     belady_optimum,
-    make_policy,
+    choose_policy,
     split_budget,
 )
-from fastopt.runtime.staging import HostGatherer, StagingBuffers, TransferStream
+from fastopt.runtime.staging import TransferStream
+from fastopt.runtime.table_cache import (
+    CacheCounters,
+    CacheTable,
+    Ids,
+    PendingRows,
+    TableCache,
+    UniqueRows,
+    check_table,
+)
 
 __all__ = ["SlimCache", "CacheTable", "UniqueRows", "PendingRows", "CacheCounters"]
 
@@ -68,168 +78,6 @@ _MAX_PENDING = 2
 # Device allocations and copies of the cache end, when the device is full, in an error naming the
 # knobs that lower memory.
 _memory_guard = device_memory_guard("the feature cache (SlimCache)")
-
-Ids = Union[torch.Tensor, Unique, Sequence[int]]
-
-
-@dataclass
-class CacheTable:
-    """A host table served through the cache.
-
-    Args:
-        data: ``[rows]`` or ``[rows, width]`` tensor on the host.
-        writable: read-write state (TGN memory, mailbox): dirty rows are written back. Static
-            tables are read-only and may travel in a reduced precision.
-        width: expected row width; a table of another width is rejected (catches a model
-            configured for 172-d features being handed 100-d ones).
-        dtype: expected dtype, checked the same way.
-    """
-
-    data: torch.Tensor
-    writable: bool = False
-    width: Optional[int] = None
-    dtype: Optional[torch.dtype] = None
-
-
-@dataclass
-class UniqueRows:
-    """One batch's rows of one table, compressed: ``rows[index]`` is the full batch.
-
-    ``ids`` are sorted; an id of ``-1`` (padding) comes first and its row is zeros.
-    """
-
-    ids: torch.Tensor  # [U] int64 on the host
-    rows: torch.Tensor  # [U, *row] on the device
-    index: torch.Tensor  # int64 on the device, shaped like the looked-up ids
-
-    def expand(self) -> torch.Tensor:
-        """The uncompressed rows, ``[*ids.shape, *row]`` (for references and tests)."""
-        return self.rows[self.index]
-
-
-@dataclass
-class CacheCounters:
-    """What one table's cache did; all counts are rows unless named bytes or seconds."""
-
-    row_bytes: int  # bytes of one row on the wire (0 in a sum over tables)
-    batches: int = 0
-    requested: int = 0  # valid ids before dedup: what the naive path copies
-    lookups: int = 0  # unique valid ids looked up
-    naive_bytes: int = 0  # bytes of the naive path: every requested row, duplicates included
-    dedup_bytes: int = 0  # bytes of within-batch compression alone: every unique row, no cache
-    hits: int = 0
-    misses: int = 0
-    preloaded: int = 0  # rows copied in ahead of use (static hot set)
-    rows_h2d: int = 0  # misses + preloaded
-    bytes_h2d: int = 0
-    evictions: int = 0  # residents that lost their slot
-    writebacks: int = 0  # dirty rows copied back to the host (on eviction or flush)
-    writethroughs: int = 0  # written rows that were not resident, stored to the host directly
-    bytes_d2h: int = 0
-    staging_seconds: float = 0.0  # host time gathering misses into staging buffers
-
-    @property
-    def hit_rate(self) -> float:
-        """Hits over unique rows looked up."""
-        return self.hits / self.lookups if self.lookups else 0.0
-
-    def __add__(self, other: "CacheCounters") -> "CacheCounters":
-        out = CacheCounters(row_bytes=0)
-        for f in fields(self):
-            setattr(out, f.name, getattr(self, f.name) + getattr(other, f.name))
-        return out
-
-    def to_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["hit_rate"] = self.hit_rate
-        return out
-
-
-@dataclass
-class PendingRows:
-    """A staged lookup: misses are gathered and their copy is in flight; :meth:`SlimCache.finish` it."""
-
-    table: str
-    seq: int
-    ids: torch.Tensor
-    pad: int  # 1 when ids[0] is the padding id -1
-    plan: AccessPlan
-    device_index: List[torch.Tensor]  # packed index tensors, on the device
-    staged: torch.Tensor  # [misses, *row] on the device (on the CPU: the staging buffer)
-    event: Optional[torch.cuda.Event] = None
-
-
-class _TableCache:
-    """One table's host copy, device slots, directory, staging and counters."""
-
-    def __init__(self, name: str, spec: CacheTable, device: torch.device, transfer: torch.dtype,
-                 threads: int) -> None:
-        data = spec.data
-        self.name, self.writable, self.device = name, spec.writable, device
-        self.is_1d = data.dim() == 1
-        host = data.reshape(-1, 1) if self.is_1d else data
-        if spec.writable or not host.is_floating_point():
-            self.dtype = host.dtype
-        else:
-            self.dtype = transfer
-        # The cache owns its host copy: writes land there, and a GPU needs it pinned.
-        if spec.writable or host.dtype != self.dtype or device.type == "cuda":
-            host = host.to(self.dtype, copy=True)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        self.host = host.contiguous()
-        self.num_rows = self.host.shape[0]
-        self.row_shape = tuple(self.host.shape[1:])
-        self.row_bytes = int(math.prod(self.row_shape)) * self.host.element_size()
-        self.counters = CacheCounters(row_bytes=self.row_bytes)
-        self.staging = StagingBuffers(self.row_shape, self.dtype, pinned=device.type == "cuda")
-        self.gatherer = HostGatherer(threads)
-        self.policy_name = ""
-        self.directory: Optional[SlotDirectory] = None
-        self.index = None
-        self.slots = torch.empty((0,) + self.row_shape, dtype=self.dtype, device=device)
-        self.slot_map = torch.empty(0, dtype=torch.int32, device=device)
-        self.pending: Deque[PendingRows] = deque()
-        self.seq = 0
-        self.recorded: Optional[List[torch.Tensor]] = None
-
-    @property
-    def table_bytes(self) -> int:
-        return self.num_rows * self.row_bytes
-
-    def allocate(self, capacity: int, policy: str) -> None:
-        capacity = max(0, min(int(capacity), self.num_rows))
-        self.policy_name = policy
-        pol, self.index = make_policy(policy, self.num_rows)
-        self.directory = SlotDirectory(self.num_rows, capacity, pol)
-        self.slots = torch.empty((capacity,) + self.row_shape, dtype=self.dtype, device=self.device)
-        self.slot_map = torch.full((self.num_rows,), -1, dtype=torch.int32, device=self.device)
-
-    def unique_of(self, ids: Ids) -> tuple:
-        """(sorted unique ids, inverse, pad) of ``ids``, checked against the table's range."""
-        if isinstance(ids, Unique):
-            values, inverse = ids.values, ids.inverse
-        else:
-            ids = torch.as_tensor(ids)
-            if ids.is_floating_point() or ids.dtype == torch.bool:
-                raise CacheError(f"ids of table {self.name!r} must be integers (got dtype "
-                                 f"{ids.dtype}); pass int64 row ids")
-            values, inverse = torch.unique(ids.cpu().long(), sorted=True, return_inverse=True)
-        values, inverse = values.cpu().long(), inverse.cpu()
-        if values.numel():
-            lo, hi = int(values[0]), int(values[-1])
-            if lo < -1 or hi >= self.num_rows:
-                bad = lo if lo < -1 else hi
-                raise CacheError(f"row id {bad} of table {self.name!r} is outside [-1, "
-                                 f"{self.num_rows}) (-1 = padding); pass ids of this table's rows")
-        pad = int(values.numel() > 0 and int(values[0]) == -1)
-        return values, inverse, pad
-
-    def requested(self, inverse: torch.Tensor, pad: int) -> int:
-        """Valid (non-padding) entries of the batch before dedup."""
-        if not pad:
-            return inverse.numel()
-        return int((inverse != 0).sum())
 
 
 class SlimCache:
@@ -268,11 +116,11 @@ class SlimCache:
         if not tables:
             raise CacheError("SlimCache needs at least one table; pass {'name': tensor, ...}")
         transfer = _DTYPES[config.transfer_dtype]
-        self._tables: Dict[str, _TableCache] = {}
+        self._tables: Dict[str, TableCache] = {}
         for name, spec in tables.items():
             spec = spec if isinstance(spec, CacheTable) else CacheTable(spec)
-            _check_table(name, spec)
-            self._tables[name] = _TableCache(name, spec, self.device, transfer, config.gather_threads)
+            check_table(name, spec)
+            self._tables[name] = TableCache(name, spec, self.device, transfer, config.gather_threads)
             if record:
                 self._tables[name].recorded = []
         self._budget = self._resolve_budget(budget_bytes)
@@ -328,8 +176,8 @@ class SlimCache:
             capacity = shares[name] // table.row_bytes if table.row_bytes else 0
             policy = self.config.policy
             if policy == "auto":
-                policy = _choose_policy(table, min(capacity, table.num_rows),
-                                        sample[name] if sample is not None else None)
+                policy = choose_policy(table.num_rows, min(capacity, table.num_rows),
+                                       sample[name] if sample is not None else None)
             elif policy == "static" and sample is None:
                 raise CacheError(
                     f"the static policy picks its hot set from a pre-sampled part of the epoch, "
@@ -337,7 +185,7 @@ class SlimCache:
                     f"SlimCache.plan(stream) first or use policy 'lru'")
             table.allocate(capacity, policy)
             if policy == "static" and sample is not None:
-                self._preload(table, access_counts(sample[name], table.num_rows))
+                table.preload(access_counts(sample[name], table.num_rows), self._transfer)
 
     def plan(self, stream: Iterable[Mapping[str, Ids]]) -> None:
         """Tell the cache this epoch's batches ahead of time (ids per table, in batch order).
@@ -426,98 +274,11 @@ class SlimCache:
                              f"(the limit is {_MAX_PENDING}); finish the oldest first")
         self._seal(None)
         values, inverse, pad = table.unique_of(unique if unique is not None else ids)
-        real = values[pad:]
-        plan = table.directory.access(real)
-        if table.recorded is not None:
-            table.recorded.append(real)
-        c = table.counters
-        c.batches += 1
-        requested = table.requested(inverse, pad)
-        c.requested += requested
-        c.naive_bytes += requested * table.row_bytes
-        c.lookups += real.numel()
-        c.dedup_bytes += real.numel() * table.row_bytes
-        m = plan.miss_pos.numel()
-        c.hits += plan.hit_pos.numel()
-        c.misses += m
-        c.rows_h2d += m
-        c.bytes_h2d += m * table.row_bytes
-        c.evictions += plan.evict_ids.numel()
-        turn, buf = table.staging.acquire(m)
-        c.staging_seconds += table.gatherer.gather(table.host, real.index_select(0, plan.miss_pos), buf)
-        admit_ids = real.index_select(0, plan.miss_pos.index_select(0, plan.admit_sel))
-        dirty_slots = plan.evict_slots[plan.evict_dirty]
-        parts = [inverse.reshape(-1).long(), plan.hit_pos + pad, plan.hit_slots, plan.miss_pos + pad,
-                 plan.admit_sel, plan.admit_slots, plan.evict_ids, admit_ids, dirty_slots]
-        packed = torch.cat(parts)
-        if self._transfer.is_cuda:
-            packed = packed.pin_memory()
-        (dev_packed, staged), event = self._transfer.upload([packed, buf])
-        table.staging.release_after(turn, event)
-        device_index = list(torch.split(dev_packed, [p.numel() for p in parts]))
-        device_index[0] = device_index[0].reshape(inverse.shape)
-        pending = PendingRows(name, table.seq, values, pad, plan, device_index, staged, event)
-        table.seq += 1
-        table.pending.append(pending)
-        return pending
+        return table.stage(values, inverse, pad, self._transfer)
 
     @_memory_guard
     def _finish(self, pending: PendingRows) -> UniqueRows:
-        table = self._table(pending.table)
-        if not table.pending or table.pending[0] is not pending:
-            raise CacheError(f"staged lookups of table {pending.table!r} must finish in the order "
-                             f"staged; lookup {pending.seq} is not the oldest outstanding one")
-        table.pending.popleft()
-        index, hit_pos, hit_slots, miss_pos, admit_sel, admit_slots, evict_ids, admit_ids, dirty_slots = (
-            pending.device_index)
-        staged = pending.staged
-        self._transfer.consume([staged, index], pending.event)
-        rows = torch.empty((pending.ids.numel(),) + table.row_shape, dtype=table.dtype,
-                           device=self.device)
-        if pending.pad:
-            rows[0].zero_()
-        if hit_pos.numel():
-            rows.index_copy_(0, hit_pos, table.slots.index_select(0, hit_slots))
-        if miss_pos.numel():
-            rows.index_copy_(0, miss_pos, staged)
-        plan = pending.plan
-        if dirty_slots.numel():
-            # A dirty row goes home before an admission reuses its slot.
-            self._write_host(table, plan.evict_ids[plan.evict_dirty],
-                             table.slots.index_select(0, dirty_slots))
-            table.counters.writebacks += dirty_slots.numel()
-        if admit_slots.numel():
-            table.slots.index_copy_(0, admit_slots, staged.index_select(0, admit_sel))
-        if evict_ids.numel():
-            table.slot_map.index_fill_(0, evict_ids, -1)
-        if admit_ids.numel():
-            table.slot_map.index_copy_(0, admit_ids, admit_slots.to(torch.int32))
-        if table.is_1d:
-            rows = rows.reshape(-1)
-        return UniqueRows(pending.ids, rows, index)
-
-    def _preload(self, table: _TableCache, counts: torch.Tensor) -> None:
-        """Copy the most used rows of the sample into the slots (the static hot set)."""
-        capacity = table.directory.capacity
-        hot = torch.nonzero(counts > 0).flatten()
-        if hot.numel() > capacity:
-            hot = hot[torch.sort(counts[hot], descending=True, stable=True).indices[:capacity]]
-        hot, _ = torch.sort(hot)
-        if hot.numel() == 0:
-            return
-        slots = table.directory.preload(hot)
-        turn, buf = table.staging.acquire(hot.numel())
-        c = table.counters
-        c.staging_seconds += table.gatherer.gather(table.host, hot, buf)
-        (staged,), event = self._transfer.upload([buf])
-        table.staging.release_after(turn, event)
-        self._transfer.consume([staged], event)
-        dev_slots = slots.to(self.device)
-        table.slots.index_copy_(0, dev_slots, staged)
-        table.slot_map.index_copy_(0, hot.to(self.device), dev_slots.to(torch.int32))
-        c.preloaded += hot.numel()
-        c.rows_h2d += hot.numel()
-        c.bytes_h2d += hot.numel() * table.row_bytes
+        return self._table(pending.table).finish(pending, self._transfer)
 
     # ---------------------------------------------------------------- writes
 
@@ -554,65 +315,18 @@ class SlimCache:
             if distinct != ids.numel():
                 raise CacheError(f"ids written to table {table!r} repeat ({ids.numel()} ids, "
                                  f"{distinct} distinct); write each row once per step")
-            values = values.to(self.device)
-            slots = t.directory.slot_of.index_select(0, ids).long()
-            resident = slots >= 0
-            res_pos = torch.nonzero(resident).flatten()
-            away_pos = torch.nonzero(~resident).flatten()
-            res_slots = slots.index_select(0, res_pos)
-            # One upload of the three index vectors: each pageable copy would stall the host
-            # until the device has drained its queue.
-            dev_pos, dev_slots, dev_away = self._to_device([res_pos, res_slots, away_pos])
-            if res_pos.numel():
-                t.slots.index_copy_(0, dev_slots, values.index_select(0, dev_pos))
-                t.directory.dirty.index_fill_(0, res_slots, True)
-            if away_pos.numel():
-                self._write_host(t, ids.index_select(0, away_pos), values.index_select(0, dev_away))
-                t.counters.writethroughs += away_pos.numel()
-
-    def _to_device(self, parts: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Host int64 vectors on the device, in one copy ordered on the current stream."""
-        if self.device.type != "cuda":
-            return parts
-        packed = torch.cat(parts).pin_memory()
-        # Pinned source: the copy is asynchronous, and the host allocator keeps the buffer until
-        # the copy has run.
-        dev = packed.to(self.device, non_blocking=True)
-        return list(torch.split(dev, [p.numel() for p in parts]))
-
-    def _write_host(self, table: _TableCache, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Store device rows in the host copy; returns once they are there.
-
-        The copy is ordered after the current stream's writes of ``rows`` and waited for before
-        the host copy is touched, since the next gather of a miss reads it.
-        """
-        if rows.device.type == "cuda":
-            out = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            out.copy_(rows, non_blocking=True)
-            torch.cuda.current_stream(rows.device).synchronize()
-            rows = out
-        table.host.index_copy_(0, ids, rows)
-        table.counters.bytes_d2h += rows.shape[0] * table.row_bytes
+            t.write(ids, values)
 
     @_memory_guard
     def flush(self) -> None:
         """Write every dirty row back to the host (call at the end of an epoch)."""
         with self._lock:
             for table in self._tables.values():
-                if table.directory is None or not table.writable:
-                    continue
-                dirty = torch.nonzero(table.directory.dirty).flatten()
-                if dirty.numel() == 0:
-                    continue
-                (dev_dirty,) = self._to_device([dirty])
-                rows = table.slots.index_select(0, dev_dirty)
-                self._write_host(table, table.directory.id_of.index_select(0, dirty), rows)
-                table.directory.dirty.index_fill_(0, dirty, False)
-                table.counters.writebacks += dirty.numel()
+                table.flush()
 
     # ---------------------------------------------------------------- introspection
 
-    def _table(self, name: str) -> _TableCache:
+    def _table(self, name: str) -> TableCache:
         try:
             return self._tables[name]
         except KeyError:
@@ -667,31 +381,6 @@ class SlimCache:
             t.gatherer.close()
 
 
-def _choose_policy(table: _TableCache, capacity: int, sample: Optional[List[torch.Tensor]]) -> str:
-    """``auto``: the policy moving the fewest rows on the sampled batches (``lru`` without one)."""
-    if sample is None or capacity == 0 or not sample:
-        return "lru"
-    best, best_rows = "lru", None
-    for name in ("future", "lru", "static"):
-        policy, index = make_policy(name, table.num_rows)
-        directory = SlotDirectory(table.num_rows, capacity, policy)
-        moved = 0
-        if index is not None:
-            for values in sample:
-                directory.refresh(index.announce(values), index.announced - 1)
-        if name == "static":
-            counts = access_counts(sample, table.num_rows)
-            hot = torch.nonzero(counts > 0).flatten()
-            order = torch.sort(counts[hot], descending=True, stable=True).indices[:capacity]
-            directory.preload(hot[order])
-            moved += min(hot.numel(), capacity)
-        for values in sample:
-            moved += directory.access(values).miss_pos.numel()
-        if best_rows is None or moved < best_rows:
-            best, best_rows = name, moved
-    return best
-
-
 def _check_budget(value: int, what: str) -> None:
     if value < 0:
         raise CacheError(f"{what} must be >= 0 bytes (got {value}); pass 0 for dedup only")
@@ -703,22 +392,3 @@ def _validate_config(config: CacheConfig) -> None:
         cfg.validate()
     except ConfigError as err:
         raise CacheError(str(err)) from None
-
-
-def _check_table(name: str, spec: CacheTable) -> None:
-    data = spec.data
-    if not isinstance(data, torch.Tensor):
-        raise CacheError(f"table {name!r} must be a torch.Tensor (got {type(data).__name__})")
-    if data.dim() not in (1, 2):
-        raise CacheError(f"table {name!r} must be [rows] or [rows, width] (got shape "
-                         f"{tuple(data.shape)}); reshape it to two dimensions")
-    if data.device.type != "cpu":
-        raise CacheError(f"table {name!r} lives on {data.device}; SlimCache serves host tables, "
-                         f"pass data.cpu()")
-    width = 1 if data.dim() == 1 else data.shape[1]
-    if spec.width is not None and width != spec.width:
-        raise CacheError(f"table {name!r} has rows of width {width} but width {spec.width} was "
-                         f"declared; pass a table of width {spec.width} or fix the declaration")
-    if spec.dtype is not None and data.dtype != spec.dtype:
-        raise CacheError(f"table {name!r} has dtype {data.dtype} but {spec.dtype} was declared; "
-                         f"convert it with .to({spec.dtype})")

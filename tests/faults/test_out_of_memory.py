@@ -12,7 +12,7 @@ from fastopt.cli import main
 from fastopt.config import CacheConfig
 from fastopt.errors import DeviceMemoryError, FastOptError
 from fastopt.runtime import SlimCache
-from fastopt.runtime import slimcache as slimcache_module
+from fastopt.runtime.table_cache import TableCache
 from fastopt.trainer import Trainer
 
 CUDA_MESSAGE = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
@@ -56,7 +56,7 @@ def test_out_of_memory_ends_fastopt_train_with_exit_2(monkeypatch, tiny_dataset,
 
 def test_out_of_memory_in_slimcache_names_the_cache_knobs(monkeypatch):
     cache = SlimCache({"edge": torch.randn(50, 4)}, config=CacheConfig(budget_fraction=0.5, policy="lru"))
-    monkeypatch.setattr(slimcache_module._TableCache, "allocate", out_of_memory)
+    monkeypatch.setattr(TableCache, "allocate", out_of_memory)
     TALLY["faults"] += 1
     with pytest.raises(DeviceMemoryError, match="feature cache.*cache.budget_fraction.*placement='host'"):
         cache.lookup("edge", torch.tensor([1, 2, 3]))

@@ -1,0 +1,389 @@
+"""One table of SlimCache: its declaration, host copy, device slots, staged misses and counters.
+
+:class:`~fastopt.runtime.SlimCache` splits one budget between several tables and serialises the
+calls; everything that concerns a single table lives here, in :class:`TableCache`:
+
+* the host copy the cache owns (pinned on a GPU, in the transfer dtype for static tables), the
+  slot array and the id->slot map on the device, and the host-side :class:`SlotDirectory` that
+  decides hits, admissions and evictions;
+* staging a lookup: the batch's misses are gathered on the host into a staging buffer and copied
+  with the packed index vectors in one upload (:class:`PendingRows`);
+* finishing it on the device: hits read from their slots, misses from the staged rows, dirty
+  evicted rows written home before admissions reuse their slots, and the id->slot map updated;
+* writes of a read-write table: to the slot of a resident row (marked dirty), straight to the
+  host for the others, and the write-back of dirty rows at a flush;
+* :class:`CacheCounters`, what the table's cache did.
+
+The caller holds SlimCache's lock and has checked the arguments; a :class:`TableCache` checks
+only what depends on its own state (ids within its rows, lookups finished in order).
+
+Layering: imports nothing of fastopt but :mod:`fastopt.errors` and other runtime modules.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import Deque, List, Optional, Sequence, Union
+
+import torch
+
+from fastopt.errors import CacheError
+from fastopt.runtime.blocks import Unique
+from fastopt.runtime.cache_policy import AccessPlan, SlotDirectory, make_policy
+from fastopt.runtime.staging import HostGatherer, StagingBuffers, TransferStream
+
+__all__ = ["CacheTable", "UniqueRows", "PendingRows", "CacheCounters", "TableCache", "Ids",
+           "check_table"]
+
+Ids = Union[torch.Tensor, Unique, Sequence[int]]
+
+
+@dataclass
+class CacheTable:
+    """A host table served through the cache.
+
+    Args:
+        data: ``[rows]`` or ``[rows, width]`` tensor on the host.
+        writable: read-write state (TGN memory, mailbox): dirty rows are written back. Static
+            tables are read-only and may travel in a reduced precision.
+        width: expected row width; a table of another width is rejected (catches a model
+            configured for 172-d features being handed 100-d ones).
+        dtype: expected dtype, checked the same way.
+    """
+
+    data: torch.Tensor
+    writable: bool = False
+    width: Optional[int] = None
+    dtype: Optional[torch.dtype] = None
+
+
+@dataclass
+class UniqueRows:
+    """One batch's rows of one table, compressed: ``rows[index]`` is the full batch.
+
+    ``ids`` are sorted; an id of ``-1`` (padding) comes first and its row is zeros.
+    """
+
+    ids: torch.Tensor  # [U] int64 on the host
+    rows: torch.Tensor  # [U, *row] on the device
+    index: torch.Tensor  # int64 on the device, shaped like the looked-up ids
+
+    def expand(self) -> torch.Tensor:
+        """The uncompressed rows, ``[*ids.shape, *row]`` (for references and tests)."""
+        return self.rows[self.index]
+
+
+@dataclass
+class CacheCounters:
+    """What one table's cache did; all counts are rows unless named bytes or seconds."""
+
+    row_bytes: int  # bytes of one row on the wire (0 in a sum over tables)
+    batches: int = 0
+    requested: int = 0  # valid ids before dedup: what the naive path copies
+    lookups: int = 0  # unique valid ids looked up
+    naive_bytes: int = 0  # bytes of the naive path: every requested row, duplicates included
+    dedup_bytes: int = 0  # bytes of within-batch compression alone: every unique row, no cache
+    hits: int = 0
+    misses: int = 0
+    preloaded: int = 0  # rows copied in ahead of use (static hot set)
+    rows_h2d: int = 0  # misses + preloaded
+    bytes_h2d: int = 0
+    evictions: int = 0  # residents that lost their slot
+    writebacks: int = 0  # dirty rows copied back to the host (on eviction or flush)
+    writethroughs: int = 0  # written rows that were not resident, stored to the host directly
+    bytes_d2h: int = 0
+    staging_seconds: float = 0.0  # host time gathering misses into staging buffers
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over unique rows looked up."""
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    def __add__(self, other: "CacheCounters") -> "CacheCounters":
+        out = CacheCounters(row_bytes=0)
+        for f in fields(self):
+            setattr(out, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return out
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["hit_rate"] = self.hit_rate
+        return out
+
+
+@dataclass
+class PendingRows:
+    """A staged lookup: misses are gathered and their copy is in flight; :meth:`SlimCache.finish` it."""
+
+    table: str
+    seq: int
+    ids: torch.Tensor
+    pad: int  # 1 when ids[0] is the padding id -1
+    plan: AccessPlan
+    device_index: List[torch.Tensor]  # packed index tensors, on the device
+    staged: torch.Tensor  # [misses, *row] on the device (on the CPU: the staging buffer)
+    event: Optional[torch.cuda.Event] = None
+
+
+class TableCache:
+    """One table's host copy, device slots, directory, staging and counters.
+
+    Args:
+        name: the table's name in the cache (for messages).
+        spec: the table's declaration, already checked by :func:`check_table`.
+        device: where its rows are served.
+        transfer: dtype a static floating-point table travels and is cached in.
+        threads: host threads gathering its misses.
+    """
+
+    def __init__(self, name: str, spec: CacheTable, device: torch.device, transfer: torch.dtype,
+                 threads: int) -> None:
+        data = spec.data
+        self.name, self.writable, self.device = name, spec.writable, device
+        self.is_1d = data.dim() == 1
+        host = data.reshape(-1, 1) if self.is_1d else data
+        if spec.writable or not host.is_floating_point():
+            self.dtype = host.dtype
+        else:
+            self.dtype = transfer
+        # The cache owns its host copy: writes land there, and a GPU needs it pinned.
+        if spec.writable or host.dtype != self.dtype or device.type == "cuda":
+            host = host.to(self.dtype, copy=True)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        self.host = host.contiguous()
+        self.num_rows = self.host.shape[0]
+        self.row_shape = tuple(self.host.shape[1:])
+        self.row_bytes = int(math.prod(self.row_shape)) * self.host.element_size()
+        self.counters = CacheCounters(row_bytes=self.row_bytes)
+        self.staging = StagingBuffers(self.row_shape, self.dtype, pinned=device.type == "cuda")
+        self.gatherer = HostGatherer(threads)
+        self.policy_name = ""
+        self.directory: Optional[SlotDirectory] = None
+        self.index = None
+        self.slots = torch.empty((0,) + self.row_shape, dtype=self.dtype, device=device)
+        self.slot_map = torch.empty(0, dtype=torch.int32, device=device)
+        self.pending: Deque[PendingRows] = deque()
+        self.seq = 0
+        self.recorded: Optional[List[torch.Tensor]] = None
+
+    @property
+    def table_bytes(self) -> int:
+        return self.num_rows * self.row_bytes
+
+    def allocate(self, capacity: int, policy: str) -> None:
+        capacity = max(0, min(int(capacity), self.num_rows))
+        self.policy_name = policy
+        pol, self.index = make_policy(policy, self.num_rows)
+        self.directory = SlotDirectory(self.num_rows, capacity, pol)
+        self.slots = torch.empty((capacity,) + self.row_shape, dtype=self.dtype, device=self.device)
+        self.slot_map = torch.full((self.num_rows,), -1, dtype=torch.int32, device=self.device)
+
+    def unique_of(self, ids: Ids) -> tuple:
+        """(sorted unique ids, inverse, pad) of ``ids``, checked against the table's range."""
+        if isinstance(ids, Unique):
+            values, inverse = ids.values, ids.inverse
+        else:
+            ids = torch.as_tensor(ids)
+            if ids.is_floating_point() or ids.dtype == torch.bool:
+                raise CacheError(f"ids of table {self.name!r} must be integers (got dtype "
+                                 f"{ids.dtype}); pass int64 row ids")
+            values, inverse = torch.unique(ids.cpu().long(), sorted=True, return_inverse=True)
+        values, inverse = values.cpu().long(), inverse.cpu()
+        if values.numel():
+            lo, hi = int(values[0]), int(values[-1])
+            if lo < -1 or hi >= self.num_rows:
+                bad = lo if lo < -1 else hi
+                raise CacheError(f"row id {bad} of table {self.name!r} is outside [-1, "
+                                 f"{self.num_rows}) (-1 = padding); pass ids of this table's rows")
+        pad = int(values.numel() > 0 and int(values[0]) == -1)
+        return values, inverse, pad
+
+    def requested(self, inverse: torch.Tensor, pad: int) -> int:
+        """Valid (non-padding) entries of the batch before dedup."""
+        if not pad:
+            return inverse.numel()
+        return int((inverse != 0).sum())
+
+    # ---------------------------------------------------------------- lookups
+
+    def stage(self, values: torch.Tensor, inverse: torch.Tensor, pad: int,
+              transfer: TransferStream) -> PendingRows:
+        """Plan a lookup of ``unique_of``'s result, gather its misses and start their copy.
+
+        The index vectors the device needs (the batch's inverse, hits, misses, admissions,
+        evictions, dirty slots) travel packed in one upload with the staged rows.
+        """
+        real = values[pad:]
+        plan = self.directory.access(real)
+        if self.recorded is not None:
+            self.recorded.append(real)
+        c = self.counters
+        c.batches += 1
+        requested = self.requested(inverse, pad)
+        c.requested += requested
+        c.naive_bytes += requested * self.row_bytes
+        c.lookups += real.numel()
+        c.dedup_bytes += real.numel() * self.row_bytes
+        m = plan.miss_pos.numel()
+        c.hits += plan.hit_pos.numel()
+        c.misses += m
+        c.rows_h2d += m
+        c.bytes_h2d += m * self.row_bytes
+        c.evictions += plan.evict_ids.numel()
+        turn, buf = self.staging.acquire(m)
+        c.staging_seconds += self.gatherer.gather(self.host, real.index_select(0, plan.miss_pos), buf)
+        admit_ids = real.index_select(0, plan.miss_pos.index_select(0, plan.admit_sel))
+        dirty_slots = plan.evict_slots[plan.evict_dirty]
+        parts = [inverse.reshape(-1).long(), plan.hit_pos + pad, plan.hit_slots, plan.miss_pos + pad,
+                 plan.admit_sel, plan.admit_slots, plan.evict_ids, admit_ids, dirty_slots]
+        packed = torch.cat(parts)
+        if transfer.is_cuda:
+            packed = packed.pin_memory()
+        (dev_packed, staged), event = transfer.upload([packed, buf])
+        self.staging.release_after(turn, event)
+        device_index = list(torch.split(dev_packed, [p.numel() for p in parts]))
+        device_index[0] = device_index[0].reshape(inverse.shape)
+        pending = PendingRows(self.name, self.seq, values, pad, plan, device_index, staged, event)
+        self.seq += 1
+        self.pending.append(pending)
+        return pending
+
+    def finish(self, pending: PendingRows, transfer: TransferStream) -> UniqueRows:
+        """Serve the oldest staged lookup on the current stream and apply its plan to the slots."""
+        if not self.pending or self.pending[0] is not pending:
+            raise CacheError(f"staged lookups of table {pending.table!r} must finish in the order "
+                             f"staged; lookup {pending.seq} is not the oldest outstanding one")
+        self.pending.popleft()
+        index, hit_pos, hit_slots, miss_pos, admit_sel, admit_slots, evict_ids, admit_ids, dirty_slots = (
+            pending.device_index)
+        staged = pending.staged
+        transfer.consume([staged, index], pending.event)
+        rows = torch.empty((pending.ids.numel(),) + self.row_shape, dtype=self.dtype,
+                           device=self.device)
+        if pending.pad:
+            rows[0].zero_()
+        if hit_pos.numel():
+            rows.index_copy_(0, hit_pos, self.slots.index_select(0, hit_slots))
+        if miss_pos.numel():
+            rows.index_copy_(0, miss_pos, staged)
+        plan = pending.plan
+        if dirty_slots.numel():
+            # A dirty row goes home before an admission reuses its slot.
+            self.write_host(plan.evict_ids[plan.evict_dirty], self.slots.index_select(0, dirty_slots))
+            self.counters.writebacks += dirty_slots.numel()
+        if admit_slots.numel():
+            self.slots.index_copy_(0, admit_slots, staged.index_select(0, admit_sel))
+        if evict_ids.numel():
+            self.slot_map.index_fill_(0, evict_ids, -1)
+        if admit_ids.numel():
+            self.slot_map.index_copy_(0, admit_ids, admit_slots.to(torch.int32))
+        if self.is_1d:
+            rows = rows.reshape(-1)
+        return UniqueRows(pending.ids, rows, index)
+
+    def preload(self, counts: torch.Tensor, transfer: TransferStream) -> None:
+        """Copy the most used rows of the sample into the slots (the static hot set)."""
+        capacity = self.directory.capacity
+        hot = torch.nonzero(counts > 0).flatten()
+        if hot.numel() > capacity:
+            hot = hot[torch.sort(counts[hot], descending=True, stable=True).indices[:capacity]]
+        hot, _ = torch.sort(hot)
+        if hot.numel() == 0:
+            return
+        slots = self.directory.preload(hot)
+        turn, buf = self.staging.acquire(hot.numel())
+        c = self.counters
+        c.staging_seconds += self.gatherer.gather(self.host, hot, buf)
+        (staged,), event = transfer.upload([buf])
+        self.staging.release_after(turn, event)
+        transfer.consume([staged], event)
+        dev_slots = slots.to(self.device)
+        self.slots.index_copy_(0, dev_slots, staged)
+        self.slot_map.index_copy_(0, hot.to(self.device), dev_slots.to(torch.int32))
+        c.preloaded += hot.numel()
+        c.rows_h2d += hot.numel()
+        c.bytes_h2d += hot.numel() * self.row_bytes
+
+    # ---------------------------------------------------------------- writes
+
+    def write(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        """Store checked rows (``ids`` distinct, in range, on the host; ``values`` ``[n, *row]``).
+
+        Resident rows are updated in their slots and marked dirty; the others go to the host.
+        """
+        values = values.to(self.device)
+        slots = self.directory.slot_of.index_select(0, ids).long()
+        resident = slots >= 0
+        res_pos = torch.nonzero(resident).flatten()
+        away_pos = torch.nonzero(~resident).flatten()
+        res_slots = slots.index_select(0, res_pos)
+        # One upload of the three index vectors: each pageable copy would stall the host
+        # until the device has drained its queue.
+        dev_pos, dev_slots, dev_away = self._to_device([res_pos, res_slots, away_pos])
+        if res_pos.numel():
+            self.slots.index_copy_(0, dev_slots, values.index_select(0, dev_pos))
+            self.directory.dirty.index_fill_(0, res_slots, True)
+        if away_pos.numel():
+            self.write_host(ids.index_select(0, away_pos), values.index_select(0, dev_away))
+            self.counters.writethroughs += away_pos.numel()
+
+    def flush(self) -> None:
+        """Write every dirty row back to the host (nothing for a static or unallocated table)."""
+        if self.directory is None or not self.writable:
+            return
+        dirty = torch.nonzero(self.directory.dirty).flatten()
+        if dirty.numel() == 0:
+            return
+        (dev_dirty,) = self._to_device([dirty])
+        rows = self.slots.index_select(0, dev_dirty)
+        self.write_host(self.directory.id_of.index_select(0, dirty), rows)
+        self.directory.dirty.index_fill_(0, dirty, False)
+        self.counters.writebacks += dirty.numel()
+
+    def _to_device(self, parts: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Host int64 vectors on the device, in one copy ordered on the current stream."""
+        if self.device.type != "cuda":
+            return parts
+        packed = torch.cat(parts).pin_memory()
+        # Pinned source: the copy is asynchronous, and the host allocator keeps the buffer until
+        # the copy has run.
+        dev = packed.to(self.device, non_blocking=True)
+        return list(torch.split(dev, [p.numel() for p in parts]))
+
+    def write_host(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store device rows in the host copy; returns once they are there.
+
+        The copy is ordered after the current stream's writes of ``rows`` and waited for before
+        the host copy is touched, since the next gather of a miss reads it.
+        """
+        if rows.device.type == "cuda":
+            out = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            out.copy_(rows, non_blocking=True)
+            torch.cuda.current_stream(rows.device).synchronize()
+            rows = out
+        self.host.index_copy_(0, ids, rows)
+        self.counters.bytes_d2h += rows.shape[0] * self.row_bytes
+
+
+def check_table(name: str, spec: CacheTable) -> None:
+    """Refuse a declaration SlimCache cannot serve: not a host tensor of one or two dimensions,
+    or a width or dtype other than the declared one."""
+    data = spec.data
+    if not isinstance(data, torch.Tensor):
+        raise CacheError(f"table {name!r} must be a torch.Tensor (got {type(data).__name__})")
+    if data.dim() not in (1, 2):
+        raise CacheError(f"table {name!r} must be [rows] or [rows, width] (got shape "
+                         f"{tuple(data.shape)}); reshape it to two dimensions")
+    if data.device.type != "cpu":
+        raise CacheError(f"table {name!r} lives on {data.device}; SlimCache serves host tables, "
+                         f"pass data.cpu()")
+    width = 1 if data.dim() == 1 else data.shape[1]
+    if spec.width is not None and width != spec.width:
+        raise CacheError(f"table {name!r} has rows of width {width} but width {spec.width} was "
+                         f"declared; pass a table of width {spec.width} or fix the declaration")
+    if spec.dtype is not None and data.dtype != spec.dtype:
+        raise CacheError(f"table {name!r} has dtype {data.dtype} but {spec.dtype} was declared; "
+                         f"convert it with .to({spec.dtype})")
