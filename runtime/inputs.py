@@ -28,6 +28,7 @@ Layering: imports nothing of fastopt.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -109,7 +110,9 @@ class HighWater:
 
     def __init__(self) -> None:
         self.lengths: Dict[str, int] = {}
+        self._lock = threading.Lock()  # staging threads raise lengths concurrently
 
     def __call__(self, kind: str, n: int) -> int:
-        self.lengths[kind] = length = max(self.lengths.get(kind, 0), bucket(n))
+        with self._lock:
+            self.lengths[kind] = length = max(self.lengths.get(kind, 0), bucket(n))
         return length

@@ -498,10 +498,10 @@ class EpochStream:
 
     def __enter__(self) -> "EpochStream":
         if self.depth > 0:
-            batches = list(self._batches)
-            self._count = len(batches)
+            self._plan = list(self._batches)
+            self._count = len(self._plan)
             for w in range(self.workers):
-                thread = threading.Thread(target=self._produce, args=(batches[w::self.workers], self._queues[w]),
+                thread = threading.Thread(target=self._produce, args=(w, self._queues[w]),
                                           name=f"fastopt-loader-{w}", daemon=True)
                 thread.start()
                 self._threads.append(thread)
@@ -523,12 +523,17 @@ class EpochStream:
                 thread.join(timeout=_POLL)
         self._threads = []
 
-    def _produce(self, batches: List[EventBatch], q: "queue.Queue") -> None:
+    def _produce(self, worker: int, q: "queue.Queue") -> None:
         try:
-            for batch in batches:
+            for i in range(worker, self._count, self.workers):
                 if self._stop.is_set():
                     return
+                # the plan lets go of a batch once it is staged: a staged batch holds its inputs on
+                # the device, which must be freed when the consumer is done with it, not at the
+                # end of the epoch
+                batch, self._plan[i] = self._plan[i], None
                 self._put(q, self.loader.stage(batch))
+                del batch
         except BaseException as exc:  # handed to the consumer, raised there
             self._put(q, _Failure(exc))
 

@@ -148,6 +148,26 @@ def test_staging_threads_give_the_same_batches_in_order(small_graph, make):
                 assert torch.equal(x, y), name
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_consumed_batch_is_freed_before_the_epoch_ends(small_graph, threads):
+    """Nothing of the stream keeps a batch the consumer is done with: its inputs live on the
+    device and an epoch's worth of them must not pile up until the epoch ends."""
+    import gc
+    import weakref
+
+    loader = Loader(small_graph, NumpySampler(small_graph, [3, 2], "uniform", seed=5), torch.device("cpu"),
+                    config(pipeline__stage_threads=threads))
+    refs = []
+    with loader.epoch("train", 0) as batches:
+        for batch in batches:
+            refs.append(weakref.ref(batch.inputs.dt[0]))
+            del batch
+            gc.collect()
+            alive = sum(r() is not None for r in refs)
+            assert alive <= 1, f"{alive} consumed batches still alive"
+    assert len(refs) == loader.num_batches("train")
+
+
 def test_trainer_merges_repeats_for_models_that_read_the_index(small_graph):
     t = Trainer(build_model("tgat", small_graph, **TINY["tgat"]), small_graph, config(sampler__hop_dedup=True),
                 progress=False)
