@@ -191,9 +191,9 @@ class PipelineConfig:
     prefetch_depth: int = 2
     # sample and stage batches on a background thread (the compiled sampler runs without the GIL)
     async_sampling: bool = True
-    # threads staging batches ahead in turn (at most prefetch_depth; 1 with the SlimCache):
-    # one batch's packing and copies overlap the next one's sampling
-    stage_threads: int = 2
+    # threads staging batches ahead in turn (at most prefetch_depth; 1 with the SlimCache): one
+    # batch's packing and copies overlap the next one's sampling; 0 = 2 on CUDA, 1 on the CPU
+    stage_threads: int = 0
     # whole training steps (forward, loss, backward, Adam, write-back) replayed from CUDA graphs,
     # one per batch shape: "auto" (for a model fastopt.optimize returned, on CUDA), "on", "off"
     step_graphs: str = "auto"
@@ -413,7 +413,8 @@ class Config:
         _check(self.passes.max_graphs >= 1, "passes.max_graphs", self.passes.max_graphs,
                ">= 1 (use passes.cuda_graphs='off' to capture none)")
         _check(self.pipeline.prefetch_depth >= 0, "pipeline.prefetch_depth", self.pipeline.prefetch_depth, ">= 0")
-        _check(self.pipeline.stage_threads >= 1, "pipeline.stage_threads", self.pipeline.stage_threads, ">= 1")
+        _check(self.pipeline.stage_threads >= 0, "pipeline.stage_threads", self.pipeline.stage_threads,
+               ">= 0 (0 = 2 on CUDA, 1 on the CPU)")
         _check(self.train.epochs >= 1, "train.epochs", self.train.epochs, ">= 1")
         _check(self.train.batch_size >= 1, "train.batch_size", self.train.batch_size, ">= 1")
         _check(self.train.lr > 0, "train.lr", self.train.lr, "> 0")

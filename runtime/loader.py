@@ -483,7 +483,9 @@ class EpochStream:
         self._batches = batches
         pipe = loader.config.pipeline
         depth = pipe.prefetch_depth if pipe.async_sampling else 0
-        workers = pipe.stage_threads
+        # 0 = 2 on CUDA, 1 on the CPU: there a batch has no copies to overlap with the next one's
+        # sampling (which runs one call at a time), and a second thread would take a core from the step
+        workers = pipe.stage_threads or (2 if loader.cuda else 1)
         if loader.cache is not None:
             depth = min(depth, 1)  # SlimCache keeps at most two staged lookups per table
             workers = 1  # and its lookups go in batch order
