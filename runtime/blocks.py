@@ -13,14 +13,16 @@ padded ones included, whose rows are then fully masked), each at its own edge's 
 
 **Merged repeats** (``hop_dedup``): a node reached through the same event by several slots of a
 layer is one destination of the next layer, not one per slot. Layer ``l + 1``'s destinations
-are then the distinct ``(neighbor, edge)`` pairs of layer ``l``'s valid slots (sorted by node,
-then edge id; by edge id on a directed graph), optionally followed by padding rows (copies of slot 0, never valid, so fully
-masked); block ``l`` records ``nbr_rows`` (``[M, k]``: each slot's row among layer ``l + 1``'s
-destinations; padded slots read rows spread over them) and ``row_slots`` (for each such row, one slot it came from).
-Its embedding is computed once instead of once per repeat: under uniform sampling with
-replacement ~40 % of wikipedia's second-hop slots are distinct and valid, so the layer below
-samples and computes ~2.5x fewer rows. Every repeat reads the same sampled neighborhood (they
-would each draw their own without the merge).
+are then the distinct ``(neighbor, edge)`` pairs of layer ``l``'s valid slots, in T-CSR order
+(by neighbor, then time; by edge id on a directed graph; the compiled sampler with a node
+reordering follows its row order), optionally followed by padding rows (copies of slot 0, never
+valid, so fully masked). Block ``l`` records ``nbr_rows`` (``[M, k]``: each slot's row among
+layer ``l + 1``'s destinations; padded slots read rows spread over them) and ``row_slots`` (for
+each such row, the first slot it came from). The embedding of a repeated node is computed once
+instead of once per slot, and every repeat reads the same sampled neighborhood (each would draw
+its own without the merge). On wikipedia's training batches of 600 events under TGAT's uniform
+draws with replacement, the distinct valid pairs are 5-71 % of the first layer's slots (median
+56 %, mean 52 %; early batches fewer, late ones more).
 """
 
 from __future__ import annotations
