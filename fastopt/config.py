@@ -81,8 +81,8 @@ class SamplerConfig:
     dedup: bool = True
     # models of 2+ layers: a node reached through the same event by several slots of a layer is
     # expanded once (its neighbors sampled and its embedding computed once, read by every slot);
-    # off by default: on the H200 TGAT's step is faster with it (0.76 against 0.83 s an epoch) but
-    # the host finds the repeats slower than the step saves (epoch 1.16 against 0.94 s, 02afd56)
+    # off by default: on the H200 TGAT's captured step is faster with it (0.74 against 0.83 s an
+    # epoch) but the loader, which bounds the epoch, is not (epoch 1.00 against 0.95 s, 11fa323)
     hop_dedup: bool = False
 
 
