@@ -254,10 +254,14 @@ class TrainConfig:
 class TunerConfig:
     # Optuna trials per study
     trials: int = 40
-    # Optuna storage URL ("" = in memory)
+    # Optuna storage: an RDB URL or a SQLite file ("" = fastopt-tune.db in the working directory)
     storage: str = ""
     # timed training steps per trial
     steps_per_trial: int = 50
+    # training steps run before the timed ones in each trial (warm-up: compiles, captures, caches)
+    warmup_steps: int = 5
+    # tuning records config="auto" reads before the ones shipped in the package ("" = shipped only)
+    records_dir: str = ""
 
 
 @dataclass
@@ -431,6 +435,8 @@ class Config:
                ">= 0 (0 = no node embedding)")
         self.model_fanouts()  # raises on a malformed list
         _check(self.tuner.trials >= 1, "tuner.trials", self.tuner.trials, ">= 1")
+        _check(self.tuner.steps_per_trial >= 1, "tuner.steps_per_trial", self.tuner.steps_per_trial, ">= 1")
+        _check(self.tuner.warmup_steps >= 0, "tuner.warmup_steps", self.tuner.warmup_steps, ">= 0")
 
     def model_fanouts(self) -> Optional[list]:
         """``model.fanouts`` as a list of ints, or None for the model's own."""

@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional, Union
+from typing import Callable, Iterator, List, Optional, Union
 
 import numpy as np
 import torch
@@ -135,7 +135,9 @@ class Trainer:
         model: a :class:`~fastopt.models.TGNNModel` (or what :func:`fastopt.optimize` returned, or
             ``torch.compile`` of one).
         graph: the event stream with its chronological split.
-        config: ``"auto"`` (defaults and ``FASTOPT_*`` overrides), a :class:`Config`, or a dict.
+        config: ``"auto"`` (defaults and ``FASTOPT_*`` overrides, with the values of the tuning
+            record matching this device, model and graph, see :mod:`fastopt.tuner.records`), a
+            :class:`Config`, or a dict.
         log_path: JSON-lines file receiving a record of the run (configuration, seed, command,
             start time, versions), one record per epoch and the final test metrics.
         checkpoint_dir: where ``checkpoint.pt`` is written after every epoch (and ``best.pt``,
@@ -143,19 +145,27 @@ class Trainer:
         progress: ``True`` prints one line per epoch and for the test, with progress bars where
             they can be drawn (a terminal or a notebook); ``"lines"`` the lines alone; ``False``
             nothing.
+        records: apply the matching tuning record (:attr:`tuned`); None: only for ``"auto"``.
     """
 
     def __init__(self, model: nn.Module, graph: TemporalGraph, config: Union[str, Config, dict, None] = "auto",
                  *, log_path: Optional[Union[str, os.PathLike]] = None,
                  checkpoint_dir: Optional[Union[str, os.PathLike]] = None,
-                 progress: Union[bool, str] = True) -> None:
+                 progress: Union[bool, str] = True, records: Optional[bool] = None) -> None:
         if progress not in (True, False, "lines"):
             raise ConfigError(f"progress must be True, False or 'lines' (got {progress!r}); pass "
                               f"progress=False for a silent run")
         self.config = resolve_config(config)
         self.graph = graph
+        self.progress = progress
+        self.device = resolve_device(self.config.train.device)
+        self.tuned = None  # the tuning record applied (a fastopt.tuner.RecordMatch), if any
+        if records or (records is None and (config is None or isinstance(config, str))):
+            from fastopt.tuner.records import apply_tuned
+
+            self.config, self.tuned = apply_tuned(self.config, model, graph, self.device)
+            self._say(f"config: {self.tuned.describe() if self.tuned else 'no tuned record matches; defaults'}")
         tc = self.config.train
-        self.device = resolve_device(tc.device)
         model = model.to(self.device)
         if wants_optimize(self.config, self.device) and not hasattr(model, "fastopt_report"):
             from fastopt.optimize import optimize
@@ -180,7 +190,6 @@ class Trainer:
         self.negatives = self.loader.negatives
         self.log_path = Path(log_path) if log_path else None
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
-        self.progress = progress
         self.epoch = 0
         self.history: list = []
         self.test_metrics: dict = {}
@@ -294,21 +303,34 @@ class Trainer:
                 "model": type(getattr(self.model, "_orig_mod", self.model)).__name__,
                 "dataset": self.graph.name, "events": self.graph.num_events, "device": str(self.device),
                 "resume": None if resume is None else str(resume), "fastopt": __version__,
+                "tuned": self.tuned.summary() if self.tuned else None,
                 "torch": torch.__version__, "git_commit": git_commit(), "config": self.config.to_dict()}
 
     def _say(self, line: str) -> None:
         if self.progress:
             print(line, flush=True)
 
+    def train_steps(self, epoch: int = 0) -> Iterator[torch.Tensor]:
+        """The training steps of ``epoch`` one at a time, yielding each step's loss (left on the
+        device): a window of the training loop for a caller that times steps (the tuner).
+        Closing the generator early stops the loader's threads."""
+        timer = self._begin_epoch(epoch)
+        with self.loader.epoch("train", epoch, timer=timer) as batches:
+            for batch in batches:
+                yield self._step(batch, timer, train=True)
+
+    def _begin_epoch(self, epoch: int) -> StageTimer:
+        self.model.train()
+        self.model.reset_state()
+        if self.sampler is not None:
+            self.sampler.reset(epoch)
+        return StageTimer(self.device)
+
     @_memory_advice("the training step")
     def train_epoch(self, epoch: int) -> EpochStats:
         """One pass over the training events in chronological batches."""
         model = self.model
-        model.train()
-        model.reset_state()
-        if self.sampler is not None:
-            self.sampler.reset(epoch)
-        timer = StageTimer(self.device)
+        timer = self._begin_epoch(epoch)
         split = self.graph.split_range("train")
         total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         moved = self.loader.bytes_moved()

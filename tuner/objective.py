@@ -1,0 +1,234 @@
+"""The objective: a short, real window of the training loop under one trial's config.
+
+A trial builds a :class:`~fastopt.trainer.Trainer` with its config and runs the first batches of
+an epoch through :meth:`~fastopt.trainer.Trainer.train_steps`: the warm-up steps (kernel
+compiles, CUDA-graph captures, the loader filling up) are left out, and the median of the timed
+steps is the trial's step time. A step is timed from the end of one step to the end of the next,
+so a step that waits for the loader counts the wait: the pipeline knobs matter. On CUDA the marks
+are CUDA events recorded on the stream (one synchronize at the end of the window, none per
+step); on the CPU, wall time. The value minimized is that median times the training batches of an
+epoch, so that trials of different batch sizes compare.
+
+A trial that fails (a device out-of-memory, a kernel that does not compile, a combination the
+configuration refuses) is pruned, never ends the study: the reason is kept in the trial's user
+attribute ``failure``. Halfway through the window, a trial slower than the pruner allows (Optuna's
+median rule over earlier trials) is pruned too, with the reason in ``pruned``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import optuna
+import torch
+
+from fastopt.config import Config
+from fastopt.errors import ConfigError
+from fastopt.tuner.space import SearchSpace
+
+__all__ = ["Measurement", "StepObjective", "Window", "measure_window", "device_memory_limit"]
+
+
+@dataclass(frozen=True)
+class Window:
+    """How much of the training loop a trial runs: ``warmup`` untimed steps, then ``timed``."""
+
+    warmup: int = 5
+    timed: int = 50
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0 or self.timed < 1:
+            raise ConfigError(f"a trial's window needs warmup >= 0 and timed >= 1 steps (got "
+                              f"warmup={self.warmup}, timed={self.timed}); set tuner.warmup_steps "
+                              f"and tuner.steps_per_trial")
+
+
+@dataclass
+class Measurement:
+    """What a window measured.
+
+    Attributes:
+        step_seconds: the median timed step.
+        epoch_seconds: ``step_seconds`` times the training batches of an epoch.
+        steps: every timed step, in order.
+        timing: ``"cuda_events"`` or ``"wall"``.
+        warmup: untimed steps before them.
+        peak_device_bytes: the device's peak allocated memory in the window (None on the CPU).
+    """
+
+    step_seconds: float
+    epoch_seconds: float
+    steps: List[float] = field(default_factory=list)
+    timing: str = "wall"
+    warmup: int = 0
+    peak_device_bytes: Optional[int] = None
+
+
+class _Marks:
+    """Points in time after each step: CUDA events on the current stream, or wall time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.points: List[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.points.append(event)
+        else:
+            self.points.append(time.perf_counter())
+
+    def intervals(self) -> List[float]:
+        """Seconds between consecutive marks (waits for the device once, on CUDA)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1000.0 for a, b in zip(self.points, self.points[1:])]
+        return [b - a for a, b in zip(self.points, self.points[1:])]
+
+
+def measure_window(trainer, window: Window,
+                   checkpoint: Optional[Callable[[int, float], None]] = None) -> Measurement:
+    """Run ``window.warmup`` then ``window.timed`` training steps of ``trainer``'s first epoch and
+    time them (fewer timed steps when the epoch is shorter).
+
+    Args:
+        trainer: a :class:`~fastopt.trainer.Trainer`.
+        window: the steps to run.
+        checkpoint: called once halfway with ``(timed steps so far, their median in seconds)``;
+            it may raise (:class:`optuna.TrialPruned`) to stop the window. On CUDA the step after
+            it is left out: it holds the synchronize that reading the events needed.
+
+    Raises:
+        ConfigError: the training split has no batch left to time after the warm-up.
+    """
+    batches = trainer.loader.num_batches("train")
+    timed = min(window.timed, batches - window.warmup)
+    if timed < 1:
+        raise ConfigError(f"the training split has {batches} batches at batch size "
+                          f"{trainer.config.train.batch_size}, none left to time after "
+                          f"{window.warmup} warm-up steps; lower tuner.warmup_steps or the batch size")
+    device = trainer.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    marks, half, skip = _Marks(device), (timed // 2 if checkpoint else 0), None
+    if window.warmup == 0:
+        marks.mark()  # the first step is timed from here
+    with contextlib.closing(trainer.train_steps(epoch=0)) as losses:
+        for i, _loss in enumerate(losses):
+            if i + 1 < window.warmup:
+                continue
+            marks.mark()  # the last warm-up step's mark starts the timing
+            done = i + 1 - window.warmup
+            if half and done == half:
+                checkpoint(done, statistics.median(marks.intervals()))
+                skip = done  # the next step's interval holds the synchronize
+            if done >= timed:
+                break
+    intervals = marks.intervals()
+    if skip is not None and marks.cuda and len(intervals) > skip:
+        del intervals[skip]
+    step = statistics.median(intervals)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return Measurement(step, step * batches, intervals, "cuda_events" if marks.cuda else "wall",
+                       window.warmup, peak)
+
+
+@contextlib.contextmanager
+def device_memory_limit(device: torch.device, limit_bytes: Optional[int]) -> Iterator[None]:
+    """Hold a CUDA device's allocations under ``limit_bytes`` (PyTorch's per-process memory
+    fraction) inside the block; a no-op on the CPU or without a limit."""
+    if limit_bytes is None or device.type != "cuda":
+        yield
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The first line of an exception, with its type: what a pruned trial records."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
+    return f"{type(exc).__name__}: {text}"
+
+
+class StepObjective:
+    """An Optuna objective: one trial trains a window under the space's suggested values.
+
+    Args:
+        space: the search space.
+        config: the baseline configuration the values are set on.
+        make_trainer: builds a fresh :class:`~fastopt.trainer.Trainer` (model included) for a
+            config; called once per trial.
+        window: the steps each trial runs.
+        max_device_memory: bytes a trial may allocate on a CUDA device; a trial above it is
+            pruned. Ignored on the CPU.
+
+    The trial's user attributes: ``values`` (every value set, fixed ones included),
+    ``step_seconds``, ``steps``, ``timing``, ``peak_device_bytes``, and ``failure`` or ``pruned``
+    with the reason when pruned.
+    """
+
+    def __init__(self, space: SearchSpace, config: Config, make_trainer: Callable[[Config], Any],
+                 window: Window = Window(), max_device_memory: Optional[int] = None) -> None:
+        self.space, self.config, self.make_trainer = space, config, make_trainer
+        self.window, self.max_device_memory = window, max_device_memory
+
+    def __call__(self, trial: optuna.Trial) -> float:
+        values = self.space.suggest(trial)
+        trial.set_user_attr("values", values)
+        trainer = None
+        try:
+            config = self.space.apply(self.config, values)
+            trainer = self.make_trainer(config)
+            with device_memory_limit(trainer.device, self.max_device_memory):
+                result = measure_window(trainer, self.window, lambda step, value: _prune_if_slow(trial, step, value))
+            self._check_memory(result)
+        except optuna.TrialPruned:
+            raise
+        except Exception as exc:  # noqa: BLE001  (a failing config is a result, never the study's end)
+            reason = failure_reason(exc)
+            trial.set_user_attr("failure", reason)
+            raise optuna.TrialPruned(reason) from None
+        finally:
+            del trainer
+            _release()
+        trial.set_user_attr("step_seconds", result.step_seconds)
+        trial.set_user_attr("steps", result.steps)
+        trial.set_user_attr("timing", result.timing)
+        trial.set_user_attr("peak_device_bytes", result.peak_device_bytes)
+        return result.epoch_seconds
+
+    def _check_memory(self, result: Measurement) -> None:
+        limit, peak = self.max_device_memory, result.peak_device_bytes
+        if limit is not None and peak is not None and peak > limit:
+            raise ConfigError(f"the trial's peak device memory {peak / 2**30:.2f} GiB is above the "
+                              f"limit {limit / 2**30:.2f} GiB (--max-device-memory)")
+
+
+def _prune_if_slow(trial: optuna.Trial, step: int, median: float) -> None:
+    trial.report(median, step)
+    if trial.should_prune():
+        reason = f"slower than earlier trials after {step} steps (median step {median * 1e3:.2f} ms)"
+        trial.set_user_attr("pruned", reason)
+        raise optuna.TrialPruned(reason)
+
+
+def _release() -> None:
+    """Free what a trial left behind (its trainer, captured graphs, cached blocks)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def values_line(values: Dict[str, Any]) -> str:
+    """``group.field=value`` pairs on one line."""
+    return " ".join(f"{k}={v}" for k, v in values.items())

@@ -1,0 +1,341 @@
+"""Tuned configurations as data: :class:`TuningRecord` JSON files and their lookup.
+
+A record says which knob values made training fastest for one device, model and dataset, and
+how fast: the median step of the best trial and of the baseline (default) config, both measured
+in the same tuning run. It is keyed by
+
+- the device: the GPU's name and compute capability, or ``"cpu"`` and the CPU model;
+- the model's fingerprint: its class, its parameters' shapes in order and its fanouts (the
+  structure, not the variables' names);
+- the dataset's signature: nodes, events, feature widths and degree percentiles;
+
+and carries the torch, triton and fastopt versions it was measured with. ``config="auto"``
+(:func:`apply_tuned`) takes the exact match, else the nearest record of the same device and
+model family (closest dataset signature), else none: the defaults stay, and nothing raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from fastopt.config import Config
+from fastopt.errors import ConfigError, FastOptError
+from fastopt.tuner.space import knob_fields
+
+__all__ = ["RecordError", "RecordMatch", "TuningRecord", "apply_tuned", "dataset_signature",
+           "device_identity", "find_record", "model_fingerprint", "records_dirs", "SHIPPED_RECORDS"]
+
+FORMAT = 1
+# the records shipped inside the package (fastopt/tuned/)
+SHIPPED_RECORDS = Path(__file__).resolve().parent.parent / "fastopt" / "tuned"
+# dataset signature entries compared by the nearest-record distance (log ratios)
+_SIZE_KEYS = ("nodes", "events", "edge_dim", "node_dim", "degree_p50", "degree_p90", "degree_p99",
+              "degree_max")
+# knobs a record never sets through config="auto": the batch size changes what the model learns
+_NOT_APPLIED = ("train.batch_size",)
+
+
+class RecordError(FastOptError, ValueError):
+    """A tuning record file is missing, not JSON, or not a record of this format."""
+
+
+def device_identity(device) -> Dict[str, str]:
+    """``{"kind", "name", "capability"}`` of a torch device: the GPU's name and compute capability
+    (``"9.0"``), or ``"cpu"`` and the CPU model."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return {"kind": "cuda", "name": torch.cuda.get_device_name(device), "capability": f"{major}.{minor}"}
+    return {"kind": "cpu", "name": _cpu_model(), "capability": "cpu"}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
+def model_fingerprint(model) -> Dict[str, Any]:
+    """The model's structure: class name, fanouts, the shapes of its parameters in order, and a
+    key hashing them. Renaming an attribute leaves it unchanged; changing a width changes it."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    shapes = [list(p.shape) for p in model.parameters()]
+    fanouts = [int(k) for k in getattr(model, "fanouts", []) or []]
+    family = type(model).__name__
+    text = json.dumps({"family": family, "fanouts": fanouts, "shapes": shapes}, sort_keys=True)
+    return {"family": family, "fanouts": fanouts, "parameters": int(sum(math.prod(s) for s in shapes)),
+            "key": hashlib.sha256(text.encode()).hexdigest()[:16]}
+
+
+def dataset_signature(graph) -> Dict[str, Any]:
+    """Nodes, events, feature widths and degree percentiles (50, 90, 99, max) of ``graph``."""
+    deg = np.bincount(graph.src, minlength=graph.num_nodes) + np.bincount(graph.dst, minlength=graph.num_nodes)
+    p50, p90, p99, top = (float(v) for v in np.percentile(deg, [50, 90, 99, 100]))
+    return {"name": graph.name, "nodes": int(graph.num_nodes), "events": int(graph.num_events),
+            "edge_dim": int(graph.edge_dim), "node_dim": int(graph.node_dim),
+            "degree_p50": p50, "degree_p90": p90, "degree_p99": p99, "degree_max": top}
+
+
+def library_versions() -> Dict[str, Optional[str]]:
+    """torch, triton (None when not installed) and fastopt versions of this process."""
+    import torch
+
+    from fastopt import __version__
+
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    return {"torch": torch.__version__, "triton": triton, "fastopt": __version__}
+
+
+@dataclass
+class TuningRecord:
+    """The result of one tuning run, as saved in a JSON file.
+
+    Attributes:
+        device: :func:`device_identity` of the device tuned on.
+        model: :func:`model_fingerprint` of the model tuned.
+        dataset: :func:`dataset_signature` of the graph tuned on.
+        values: the best trial's knob values, ``{"group.field": value}``.
+        step_seconds: the best trial's median training step.
+        default_step_seconds: the baseline config's median step in the same run (None when the
+            baseline trial did not complete).
+        epoch_seconds: the best trial's median step times the training batches of an epoch (the
+            value the study minimized: comparable across batch sizes).
+        default_epoch_seconds: the same for the baseline config.
+        versions: torch, triton and fastopt versions of the run.
+        measurement: how steps were timed (``timing``: ``"wall"`` or ``"cuda_events"``,
+            ``warmup`` and ``timed`` steps, ``max_device_memory`` in bytes or None).
+        study: the study's name, trials finished, completed and pruned, the best trial's number.
+        created: UTC time the record was written.
+    """
+
+    device: Dict[str, str]
+    model: Dict[str, Any]
+    dataset: Dict[str, Any]
+    values: Dict[str, Any]
+    step_seconds: float
+    default_step_seconds: Optional[float] = None
+    epoch_seconds: Optional[float] = None
+    default_epoch_seconds: Optional[float] = None
+    versions: Dict[str, Optional[str]] = field(default_factory=dict)
+    measurement: Dict[str, Any] = field(default_factory=dict)
+    study: Dict[str, Any] = field(default_factory=dict)
+    created: str = ""
+    format: int = FORMAT
+
+    @property
+    def speedup(self) -> Optional[float]:
+        """Baseline step time over the best one (None without a baseline)."""
+        if not self.default_step_seconds or not self.step_seconds:
+            return None
+        return self.default_step_seconds / self.step_seconds
+
+    def file_name(self) -> str:
+        """``<device>-<model family>-<dataset>-<model key>.json``, lower case, safe characters."""
+        parts = (self.device.get("name", "device"), self.model.get("family", "model"),
+                 str(self.dataset.get("name", "dataset")), self.model.get("key", "")[:8])
+        return "-".join(_slug(p) for p in parts) + ".json"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    def save(self, where: Union[str, os.PathLike]) -> Path:
+        """Write the record to ``where`` (a ``.json`` path, or a folder that gets
+        :meth:`file_name`); written to a temporary file and renamed, so a reader never sees half
+        a record. Returns the path."""
+        path = Path(where)
+        if path.suffix != ".json":
+            path = path / self.file_name()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".record-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(self.to_json() + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike]) -> "TuningRecord":
+        """Read a record written by :meth:`save`.
+
+        Raises:
+            RecordError: the file is missing, unreadable, not JSON or not a record of this format.
+        """
+        where = f"tuning record {str(path)!r}"
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise RecordError(f"{where} does not exist; pass a file written by fastopt tune or "
+                              f"fastopt export") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise RecordError(f"{where} cannot be read as JSON ({exc}); write it again with "
+                              f"fastopt export") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            got = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise RecordError(f"{where} is not a tuning record of format {FORMAT} (format {got!r}); "
+                              f"export it again with this fastopt version")
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(n for n in ("device", "model", "dataset", "values", "step_seconds") if n not in data)
+        if missing:
+            raise RecordError(f"{where} lacks {', '.join(missing)}; export it again with fastopt export")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", str(text).lower()).strip("_") or "x"
+
+
+@dataclass
+class RecordMatch:
+    """The record ``config="auto"`` picked, how it matched, and what it changed.
+
+    Attributes:
+        record: the record.
+        path: its file.
+        how: ``"exact"`` (same device, model fingerprint and dataset signature) or ``"nearest"``
+            (same device and model family, the closest dataset signature).
+        distance: the dataset signatures' distance (0 for an exact match).
+        applied: the values set on the config.
+        kept: values of the record left out, each with the reason.
+    """
+
+    record: TuningRecord
+    path: Path
+    how: str
+    distance: float = 0.0
+    applied: Dict[str, Any] = field(default_factory=dict)
+    kept: Dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line for logs: the file, the match and the values applied."""
+        values = ", ".join(f"{k}={v}" for k, v in self.applied.items()) or "no values"
+        return f"tuned record {self.path.name} ({self.how} match; applied {values})"
+
+    def summary(self) -> Dict[str, Any]:
+        """What a run log keeps about the match."""
+        return {"path": str(self.path), "how": self.how, "distance": self.distance,
+                "applied": dict(self.applied), "kept": dict(self.kept)}
+
+
+def records_dirs(config: Config) -> List[Path]:
+    """Where records are looked up: ``config.tuner.records_dir`` when set, then the records shipped
+    in the package."""
+    dirs = [Path(config.tuner.records_dir).expanduser()] if config.tuner.records_dir else []
+    return dirs + [SHIPPED_RECORDS]
+
+
+def _read_records(dirs: Sequence[Path]) -> List[Tuple[Path, TuningRecord]]:
+    """Every readable record in ``dirs``; a broken file is skipped with a warning naming it."""
+    found = []
+    for folder in dirs:
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.glob("*.json")):
+            try:
+                found.append((path, TuningRecord.load(path)))
+            except RecordError as exc:
+                warnings.warn(f"{exc}; skipped", stacklevel=3)
+    return found
+
+
+def _same_device(a: Dict[str, str], b: Dict[str, str]) -> bool:
+    return a.get("name") == b.get("name") and a.get("capability") == b.get("capability")
+
+
+def signature_distance(a: Dict[str, Any], b: Dict[str, Any]) -> float:
+    """Sum of ``|log((x + 1) / (y + 1))|`` over sizes, widths and degree percentiles."""
+    return float(sum(abs(math.log((float(a.get(k, 0)) + 1.0) / (float(b.get(k, 0)) + 1.0)))
+                     for k in _SIZE_KEYS))
+
+
+def find_record(device: Dict[str, str], model: Dict[str, Any], dataset: Dict[str, Any],
+                dirs: Sequence[Union[str, os.PathLike]]) -> Optional[RecordMatch]:
+    """The record for ``device``, ``model`` and ``dataset`` (from :func:`device_identity`,
+    :func:`model_fingerprint`, :func:`dataset_signature`) in ``dirs``, or None.
+
+    Exact: same device, model key and dataset signature (sizes, widths, degree percentiles; the
+    name aside); among several, the one of this fastopt version, then the newest. Else nearest:
+    same device and model family, the smallest :func:`signature_distance`. Else None.
+    """
+    from fastopt import __version__
+
+    candidates = [(p, r) for p, r in _read_records([Path(d) for d in dirs]) if _same_device(r.device, device)]
+    exact = [(p, r) for p, r in candidates
+             if r.model.get("key") == model.get("key") and signature_distance(r.dataset, dataset) == 0.0]
+    if exact:
+        path, record = max(exact, key=lambda pr: (pr[1].versions.get("fastopt") == __version__, pr[1].created))
+        return RecordMatch(record, path, "exact")
+    family = [(signature_distance(r.dataset, dataset), p, r) for p, r in candidates
+              if r.model.get("family") == model.get("family")]
+    if not family:
+        return None
+    distance, path, record = min(family, key=lambda dpr: (dpr[0], str(dpr[1])))
+    return RecordMatch(record, path, "nearest", distance)
+
+
+def apply_tuned(config: Config, model, graph, device,
+                dirs: Optional[Sequence[Union[str, os.PathLike]]] = None) -> Tuple[Config, Optional[RecordMatch]]:
+    """``config`` with the values of the record matching this run (:func:`find_record`), and the
+    match; ``(config, None)`` when no record matches. Never raises for a record: an unusable one
+    is skipped with a warning.
+
+    A record sets only knobs the tuner searches, never the batch size (it changes what the model
+    learns), and only knobs still at their built-in default: a value set through ``FASTOPT_*``
+    or by the caller wins.
+    """
+    try:
+        match = find_record(device_identity(device), model_fingerprint(model), dataset_signature(graph),
+                            dirs if dirs is not None else records_dirs(config))
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        warnings.warn(f"tuning records could not be searched ({exc}); the defaults apply", stacklevel=2)
+        return config, None
+    if match is None:
+        return config, None
+    out, given, default = config.copy(), config.to_dict(), Config().to_dict()
+    tunable = set(knob_fields())
+    for name, value in match.record.values.items():
+        group, _, knob = name.partition(".")
+        if name not in tunable or name in _NOT_APPLIED:
+            match.kept[name] = "not a knob config='auto' sets"
+        elif given.get(group, {}).get(knob) != default.get(group, {}).get(knob):
+            match.kept[name] = "set explicitly"
+        else:
+            try:
+                out.set(name, value)
+                match.applied[name] = value
+            except ConfigError as exc:
+                match.kept[name] = str(exc)
+    return out, match
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -1,0 +1,205 @@
+"""One tuning run: a study over a space, its baseline trial, progress lines and the record.
+
+:func:`tune` opens (or resumes) a study, stores what the study is about in the study's user
+attribute ``fastopt`` (model fingerprint, dataset signature, device, versions, the window), runs
+the baseline config as the study's first trial (so that the record compares the best config with
+the defaults measured in the same run), then the trials left to reach the total asked for.
+:func:`export_record` turns a study, finished or not, into a :class:`TuningRecord`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import optuna
+import torch
+
+from fastopt.config import Config
+from fastopt.tuner.objective import StepObjective, Window, values_line
+from fastopt.tuner.records import (TuningRecord, dataset_signature, device_identity, library_versions,
+                                   model_fingerprint, now)
+from fastopt.tuner.space import SearchSpace, build_space
+from fastopt.tuner.storage import StudyError, open_study
+
+__all__ = ["TuningRun", "export_record", "record_from_study", "tune"]
+
+# study user attribute holding what the study tunes
+CONTEXT = "fastopt"
+# trial user attribute marking the baseline trial
+ROLE = "role"
+# fields of the context that must agree for a study to be resumed
+_SAME_PROBLEM = (("model", "key"), ("dataset", None), ("device", None), ("space", None))
+# trials that count toward a study's total: a trial that failed (its process interrupted or
+# killed) is run again when the study resumes
+FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+
+
+@dataclass
+class TuningRun:
+    """What :func:`tune` did: the study, its space, and the record of its best trial (None when
+    no trial completed)."""
+
+    study: optuna.Study
+    space: SearchSpace
+    record: Optional[TuningRecord]
+
+
+def default_trainer(model_name: str, graph) -> Callable[[Config], Any]:
+    """A factory of trainers for ``model_name`` on ``graph``: a fresh model per config, seeded,
+    silent, with no tuning record applied (the trial's values are the ones measured)."""
+    def make(config: Config):
+        from fastopt.models import build_model
+        from fastopt.trainer import Trainer
+
+        torch.manual_seed(config.train.seed)
+        model = build_model(model_name, graph, config)
+        return Trainer(model, graph, config, progress=False, records=False)
+
+    return make
+
+
+def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Optional[float] = None,
+         storage: str = "", study_name: Optional[str] = None,
+         batch_sizes: Optional[Sequence[int]] = None, max_device_memory: Optional[int] = None,
+         window: Optional[Window] = None, say: Callable[[str], None] = print,
+         make_trainer: Optional[Callable[[Config], Any]] = None) -> TuningRun:
+    """Tune the knobs of training ``model_name`` on ``graph`` (see :mod:`fastopt.tuner`).
+
+    Args:
+        graph: the event stream.
+        model_name: a model of :data:`fastopt.models.MODELS`.
+        config: the baseline configuration (its device, seed and model hyperparameters hold for
+            every trial).
+        trials: the study's total of finished trials; a resumed study runs only those left.
+        timeout: seconds after which no new trial starts.
+        storage: a SQLite file or RDB URL (:func:`~fastopt.tuner.storage.storage_url`).
+        study_name: default ``<model>-<dataset>-<device>``.
+        batch_sizes: batch sizes to search; default the config's alone.
+        max_device_memory: bytes a trial may hold on a CUDA device.
+        window: steps per trial; default ``config.tuner.warmup_steps`` and ``steps_per_trial``.
+        say: receives one progress line per trial.
+        make_trainer: builds a trainer for a config (default :func:`default_trainer`).
+
+    Raises:
+        StudyError: the storage cannot be opened, or the study of that name tunes another model,
+            dataset, device or space.
+    """
+    from fastopt.models import build_model
+    from fastopt.trainer import resolve_device
+
+    device = resolve_device(config.train.device)
+    torch.manual_seed(config.train.seed)
+    model = build_model(model_name, graph, config)
+    space = build_space(model, graph, config, device, batch_sizes=batch_sizes)
+    window = window or Window(config.tuner.warmup_steps, config.tuner.steps_per_trial)
+    say("search space:\n  " + space.describe().replace("\n", "\n  "))
+    identity = device_identity(device)
+    context = {"model": model_fingerprint(model), "model_name": model_name, "dataset": dataset_signature(graph),
+               "device": identity, "versions": library_versions(), "space": list(space.names),
+               "fixed": space.fixed, "window": {"warmup": window.warmup, "timed": window.timed},
+               "max_device_memory": max_device_memory, "baseline": config.to_dict()}
+    name = study_name or f"{model_name}-{graph.name}-{identity['name']}".replace(" ", "_")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = open_study(storage, name, seed=config.train.seed,
+                       pruner=optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=0))
+    _claim(study, context)
+    if not any(t.user_attrs.get(ROLE) == "baseline" for t in study.trials):
+        study.enqueue_trial(space.baseline(), user_attrs={ROLE: "baseline"})
+    done = sum(t.state in FINISHED for t in study.trials)
+    if done:
+        say(f"fastopt tune: resuming study {name!r}: {done} trial(s) finished")
+    objective = StepObjective(space, config, make_trainer or default_trainer(model_name, graph), window,
+                              max_device_memory)
+    if trials > done:
+        study.optimize(objective, n_trials=trials - done, timeout=timeout,
+                       callbacks=[_progress(trials, say)], gc_after_trial=True)
+    completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    return TuningRun(study, space, record_from_study(study) if completed else None)
+
+
+def _claim(study: optuna.Study, context: Dict[str, Any]) -> None:
+    """Store ``context`` on a new study; refuse a study made for another problem."""
+    before = study.user_attrs.get(CONTEXT)
+    if before is None:
+        study.set_user_attr(CONTEXT, context)
+        return
+    for key, sub in _SAME_PROBLEM:
+        old, new = before.get(key), context.get(key)
+        if sub is not None:
+            old, new = (old or {}).get(sub), (new or {}).get(sub)
+        if old != new:
+            raise StudyError(f"study {study.study_name!r} tunes another {key} ({old!r}, this run "
+                             f"{new!r}); pass a new --study-name, or the same model, dataset and "
+                             f"device as the study")
+
+
+def _progress(total: int, say: Callable[[str], None]):
+    """A study callback printing one line per finished trial, with the best so far."""
+    def line(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        head = f"trial {trial.number + 1}/{total}"
+        if trial.user_attrs.get(ROLE) == "baseline":
+            head += " (baseline)"
+        if trial.state == optuna.trial.TrialState.COMPLETE:
+            what = (f"{trial.value:.3f} s/epoch (step {trial.user_attrs['step_seconds'] * 1e3:.2f} ms) "
+                    f"{values_line(trial.user_attrs.get('values', {}))}")
+        else:
+            reason = trial.user_attrs.get("failure") or trial.user_attrs.get("pruned") or trial.state.name
+            what = f"pruned: {reason}"
+        try:
+            best = study.best_trial
+            tail = f"best {best.value:.3f} s/epoch (trial {best.number + 1})"
+        except ValueError:
+            tail = "no trial completed yet"
+        say(f"{head}: {what} | {tail}")
+
+    return line
+
+
+def record_from_study(study: optuna.Study) -> TuningRecord:
+    """The :class:`TuningRecord` of ``study``'s best trial, beside its baseline trial.
+
+    Raises:
+        StudyError: the study was not made by :func:`tune`, or no trial completed (the message
+            gives the first pruned trials' reasons).
+    """
+    context = study.user_attrs.get(CONTEXT)
+    if context is None:
+        raise StudyError(f"study {study.study_name!r} was not made by fastopt tune (it has no "
+                         f"{CONTEXT!r} attribute); export a study that fastopt tune ran")
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    if not complete:
+        reasons = [t.user_attrs.get("failure") or t.user_attrs.get("pruned") or t.state.name
+                   for t in study.trials][:3]
+        raise StudyError(f"study {study.study_name!r} has no completed trial ({len(study.trials)} "
+                         f"finished or running; first reasons: {'; '.join(reasons) or 'none ran'}); "
+                         f"run fastopt tune with more --trials or a longer --timeout")
+    best = min(complete, key=lambda t: t.value)
+    baseline = next((t for t in complete if t.user_attrs.get(ROLE) == "baseline"), None)
+    counts = {s.name.lower(): sum(t.state == s for t in study.trials) for s in optuna.trial.TrialState}
+    return TuningRecord(
+        device=context["device"], model=context["model"], dataset=context["dataset"],
+        values=dict(best.user_attrs.get("values", best.params)),
+        step_seconds=best.user_attrs["step_seconds"],
+        default_step_seconds=baseline.user_attrs["step_seconds"] if baseline else None,
+        epoch_seconds=best.value, default_epoch_seconds=baseline.value if baseline else None,
+        versions=context["versions"],
+        measurement={"timing": best.user_attrs.get("timing"), **context["window"],
+                     "max_device_memory": context.get("max_device_memory")},
+        study={"name": study.study_name, "model_name": context.get("model_name"),
+               "best_trial": best.number, "trials": len(study.trials),
+               **{k: v for k, v in counts.items() if v}},
+        created=now())
+
+
+def export_record(storage: str, study_name: str, out) -> "tuple[TuningRecord, Any]":
+    """Write the record of study ``study_name`` in ``storage`` into folder ``out``; returns the
+    record and its path.
+
+    Raises:
+        StudyError: no such study, or it has no completed trial.
+    """
+    study = open_study(storage, study_name, create=False)
+    record = record_from_study(study)
+    return record, record.save(out)
+
