@@ -1,0 +1,120 @@
+"""A real study on a tiny graph: trials run, a failing config is pruned with its reason, a stopped
+study resumes from its SQLite file, and the record is exported. Timings are never asserted."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+
+from fastopt.config import Config
+from fastopt.errors import KernelError
+from fastopt.tuner import Window, export_record, open_study, tune
+from fastopt.tuner.objective import measure_window
+from fastopt.tuner.storage import StudyError, storage_url
+from fastopt.tuner.study import default_trainer
+
+WINDOW = Window(warmup=1, timed=3)
+
+
+@pytest.fixture
+def config() -> Config:
+    cfg = Config()
+    for name, value in {"train.device": "cpu", "model.memory_dim": 8, "model.dim": 8, "model.time_dim": 8,
+                        "sampler.threads": 1}.items():
+        cfg.set(name, value)
+    return cfg
+
+
+def failing_on(call: int, exc: BaseException, graph):
+    """A trainer factory whose ``call``-th trainer (1-based) raises ``exc``."""
+    make, calls = default_trainer("tgn", graph), []
+
+    def factory(cfg):
+        calls.append(cfg)
+        if len(calls) == call:
+            raise exc
+        return make(cfg)
+
+    return factory
+
+
+def test_window_times_steps_after_the_warmup(small_graph, config, one_thread):
+    trainer = default_trainer("tgn", small_graph)(config)
+    seen = []
+    result = measure_window(trainer, Window(2, 4), checkpoint=lambda step, median: seen.append(step))
+    assert len(result.steps) == 4 and result.timing == "wall" and result.peak_device_bytes is None
+    assert result.step_seconds > 0 and result.epoch_seconds == pytest.approx(
+        result.step_seconds * trainer.loader.num_batches("train"))
+    assert seen == [2]
+
+
+def test_three_trials_with_a_failing_config_pruned(small_graph, config, tmp_path, one_thread):
+    lines = []
+    run = tune(small_graph, "tgn", config, trials=3, storage=str(tmp_path / "t.db"), study_name="s",
+               window=WINDOW, say=lines.append,
+               make_trainer=failing_on(2, KernelError("the kernel did not compile"), small_graph))
+    trials = run.study.trials
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED,
+                                         optuna.trial.TrialState.COMPLETE]
+    assert trials[0].user_attrs["role"] == "baseline" and trials[0].params == run.space.baseline()
+    assert trials[1].user_attrs["failure"] == "KernelError: the kernel did not compile"
+    assert any("pruned: KernelError: the kernel did not compile" in line for line in lines)
+    assert sum(line.startswith("trial ") for line in lines) == 3 and "best" in lines[-1]
+    record = run.record
+    assert record.default_step_seconds == trials[0].user_attrs["step_seconds"]
+    assert record.values == min((t for t in trials if t.value is not None), key=lambda t: t.value).user_attrs["values"]
+    assert record.study["pruned"] == 1 and record.study["complete"] == 2
+    assert record.measurement == {"timing": "wall", "warmup": 1, "timed": 3, "max_device_memory": None}
+
+
+def test_a_stopped_study_resumes_from_sqlite(small_graph, config, tmp_path, one_thread):
+    db = str(tmp_path / "resume.db")
+    with pytest.raises(KeyboardInterrupt):  # the run is stopped in its second trial
+        tune(small_graph, "tgn", config, trials=3, storage=db, study_name="r", window=WINDOW,
+             say=lambda line: None, make_trainer=failing_on(2, KeyboardInterrupt(), small_graph))
+    stopped = open_study(db, "r", create=False)
+    assert [t.state for t in stopped.trials] == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL]
+    lines = []
+    run = tune(small_graph, "tgn", config, trials=3, storage=db, study_name="r", window=WINDOW,
+               say=lines.append)
+    states = [t.state for t in run.study.trials]
+    assert states.count(optuna.trial.TrialState.COMPLETE) == 3  # the failed trial is run again
+    assert sum(t.user_attrs.get("role") == "baseline" for t in run.study.trials) == 1
+    assert "resuming study 'r': 1 trial(s) finished" in lines[1]
+    again = tune(small_graph, "tgn", config, trials=3, storage=db, study_name="r", window=WINDOW,
+                 say=lambda line: None)
+    assert len(again.study.trials) == len(run.study.trials)  # nothing left to run
+
+
+def test_a_study_of_another_problem_is_refused(small_graph, config, tmp_path, one_thread):
+    db = str(tmp_path / "other.db")
+    tune(small_graph, "tgn", config, trials=1, storage=db, study_name="x", window=WINDOW, say=lambda line: None)
+    with pytest.raises(StudyError, match="study 'x' tunes another model"):
+        tune(small_graph, "jodie", config, trials=1, storage=db, study_name="x", window=WINDOW,
+             say=lambda line: None)
+
+
+def test_export_and_its_errors(small_graph, config, tmp_path, one_thread):
+    db = str(tmp_path / "e.db")
+    run = tune(small_graph, "tgn", config, trials=1, storage=db, study_name="e", window=WINDOW,
+               say=lambda line: None)
+    record, path = export_record(db, "e", tmp_path / "out")
+    assert path.parent == tmp_path / "out" and record.values == run.record.values
+    with pytest.raises(StudyError, match="holds no study 'nope' \\(it holds 'e'\\)"):
+        export_record(db, "nope", tmp_path)
+    optuna.create_study(storage=storage_url(db), study_name="plain")
+    with pytest.raises(StudyError, match="was not made by fastopt tune"):
+        export_record(db, "plain", tmp_path)
+    dead = tune(small_graph, "tgn", config, trials=1, storage=db, study_name="dead", window=WINDOW,
+                say=lambda line: None, make_trainer=failing_on(1, RuntimeError("out of memory"), small_graph))
+    assert dead.record is None
+    with pytest.raises(StudyError, match="no completed trial.*RuntimeError: out of memory"):
+        export_record(db, "dead", tmp_path)
+    with pytest.raises(StudyError, match="cannot be opened"):
+        open_study("nosuchdriver://x", "s")
+
+
+def test_storage_urls():
+    assert storage_url("postgresql://u@h/db") == "postgresql://u@h/db"
+    assert storage_url("a.db").startswith("sqlite:///") and storage_url("a.db").endswith("/a.db")
+    assert storage_url("").endswith("/fastopt-tune.db")
