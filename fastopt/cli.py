@@ -1,4 +1,4 @@
-"""``fastopt`` command line: ``train``, ``bench`` and ``data info|synth``."""
+"""``fastopt`` command line: ``train``, ``bench``, ``tune``, ``export`` and ``data info|synth``."""
 
 from __future__ import annotations
 
@@ -22,12 +22,14 @@ def _add_run_flags(p, epochs_help: str) -> None:
 
     p.add_argument("--dataset", default="wikipedia", help="built-in name (wikipedia) or a path to an event file")
     p.add_argument("--model", default="tgn", help=f"one of {', '.join(MODELS)} (default tgn)")
-    p.add_argument("--epochs", type=int, default=None, help=epochs_help)
+    if epochs_help:
+        p.add_argument("--epochs", type=int, default=None, help=epochs_help)
     p.add_argument("--device", default=None, help="auto, cpu or cuda[:N] (default auto)")
     p.add_argument("--seed", type=int, default=None, help="seed of every random choice (default 0)")
     p.add_argument("--node-dim", type=int, default=None, help="random node features of this width when the data has none")
     p.add_argument("--config", default=None, help="JSON file of config values (see `Config.to_json`); "
-                   "flags override it, it overrides FASTOPT_* variables")
+                   "flags override it, it overrides FASTOPT_* variables; train without it (or with "
+                   "'auto') applies the tuning record matching the run (see fastopt tune)")
     model = p.add_argument_group("model hyperparameters (config group `model`)")
     model.add_argument("--fanouts", default=None,
                        help="neighbors per attention layer, comma-separated (TGN default 10, TGAT 10,10)")
@@ -108,7 +110,8 @@ def _build_config(args):
     from fastopt.config import Config, default_config
     from fastopt.errors import ConfigError
 
-    cfg = Config.from_file(args.config, base=default_config()) if args.config else default_config().copy()
+    from_file = args.config and args.config != "auto"
+    cfg = Config.from_file(args.config, base=default_config()) if from_file else default_config().copy()
     for group, name in _FLAGS:
         value = getattr(args, name, None)
         if value is not None:
@@ -116,7 +119,7 @@ def _build_config(args):
                 cfg.set(f"{group}.{name}", value)
             except ConfigError as exc:
                 raise ConfigError(f"--{name.replace('_', '-')} {value}: {exc}") from None
-    if args.no_optimize:
+    if getattr(args, "no_optimize", False):
         cfg.set("train.optimize", "off")
     if getattr(args, "restore_best", False):
         cfg.set("train.restore_best", True)
@@ -136,7 +139,8 @@ def _cmd_train(args) -> int:
     torch.manual_seed(tc.seed)
     model = build_model(args.model, graph, cfg)
     trainer = Trainer(model, graph, cfg, log_path=args.log, checkpoint_dir=args.checkpoint_dir,
-                      progress="lines" if args.no_progress else True)
+                      progress="lines" if args.no_progress else True,
+                      records=args.config in (None, "auto"))
     print(f"fastopt train: {args.model} on {graph.name} ({graph.num_nodes:,} nodes, "
           f"{graph.num_events:,} events; train/val/test {graph.train_end:,}/"
           f"{graph.val_end - graph.train_end:,}/{graph.num_events - graph.val_end:,}) on {trainer.device}",
@@ -244,9 +248,13 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="fastopt", description="fast temporal GNN training")
     parser.add_argument("--version", action="version", version=f"fastopt {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{train,bench,data}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,bench,tune,export,data}")
     _add_train(sub)
     _add_bench(sub)
+    from fastopt.tuner.cli import add_export, add_tune
+
+    add_tune(sub, _add_run_flags, _build_config)
+    add_export(sub)
     _add_data(sub)
     return parser
 
@@ -263,7 +271,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser = _parser()
             args = parser.parse_args(argv)
             if args.command is None:
-                parser.error("choose a command: train, bench or data (fastopt --help lists them)")
+                parser.error("choose a command: train, bench, tune, export or data (fastopt --help lists them)")
             from fastopt.config import default_config
 
             default_config()  # FASTOPT_* variables are read here, at the start, for every command

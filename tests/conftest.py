@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastopt.data import TemporalGraph, load_dataset
+from fastopt.data import TemporalGraph, load_dataset, save_npz
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -136,3 +136,11 @@ def small_graph(wikipedia) -> TemporalGraph:
     rng = np.random.default_rng(0)
     return head(wikipedia, 3000, edge_feat=rng.standard_normal((3000, 8), dtype=np.float32),
                 node_feat=rng.standard_normal((wikipedia.num_nodes, 4), dtype=np.float32))
+
+
+@pytest.fixture
+def tiny_file(tmp_path, small_graph):
+    """:func:`small_graph` saved as an ``.npz`` file (for commands that take a path)."""
+    path = tmp_path / "tiny.npz"
+    save_npz(small_graph, path)
+    return path

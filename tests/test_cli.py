@@ -10,13 +10,6 @@ from fastopt.cli import main
 from fastopt.data import load_file, resolve_dataset, save_npz
 
 
-@pytest.fixture
-def tiny_file(tmp_path, small_graph):
-    path = tmp_path / "tiny.npz"
-    save_npz(small_graph, path)
-    return path
-
-
 def test_train_end_to_end(learnable_graph, one_thread, tmp_path, capsys):
     """fastopt train on a file of a graph where each user meets one item: it learns (test AP far
     above chance, 0.5; MRR against 3 negatives, chance about 0.52), prints its epochs, writes the log."""
@@ -87,7 +80,7 @@ def test_no_command_and_version(capsys):
     with pytest.raises(SystemExit) as exc:
         main([])
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and "choose a command: train, bench or data" in err and "cmd" not in err
+    assert exc.value.code == 2 and "choose a command: train, bench, tune, export or data" in err and "cmd" not in err
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0 and capsys.readouterr().out.startswith("fastopt 0.")
