@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+import fastopt
 from fastopt.config import Config
 from fastopt.errors import ConfigError, FastOptError
 from fastopt.tuner.space import knob_fields
@@ -42,8 +43,9 @@ __all__ = ["RecordError", "RecordMatch", "TuningRecord", "apply_tuned", "dataset
            "device_identity", "find_record", "model_fingerprint", "records_dirs", "SHIPPED_RECORDS"]
 
 FORMAT = 1
-# the records shipped inside the package (fastopt/tuned/)
-SHIPPED_RECORDS = Path(__file__).resolve().parent.parent / "fastopt" / "tuned"
+# the records shipped inside the package: fastopt/tuned/ beside fastopt's __init__.py, in a
+# checkout and in an installation alike (this file is not beside it in a checkout)
+SHIPPED_RECORDS = Path(fastopt.__file__).resolve().parent / "tuned"
 # dataset signature entries compared by the nearest-record distance (log ratios)
 _SIZE_KEYS = ("nodes", "events", "edge_dim", "node_dim", "degree_p50", "degree_p90", "degree_p99",
               "degree_max")
