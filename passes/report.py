@@ -96,6 +96,8 @@ class RewriteReport:
             eager forward (filled in by its first calls).
         site_shapes: The shape each rewrite site ran with first, by site (``None`` before its first
             fused call): handed over by the pipeline, which records them as the model runs.
+        tuning: With ``config="auto"``, which tuning record's values apply (one line, handed over
+            by :func:`fastopt.optimize`, which reads the records); None for an explicit config.
     """
 
     model: str
@@ -107,6 +109,7 @@ class RewriteReport:
     verifications: List[Verification] = field(default_factory=list)
     site_shapes: Callable[[str], Optional[Tuple[int, ...]]] = field(
         default=lambda site: None, repr=False, compare=False)
+    tuning: Optional[str] = None
 
     @property
     def changed(self) -> bool:
@@ -133,6 +136,8 @@ class RewriteReport:
                  f"{len(self.left_alone)} left alone"]
         lines.append(f"  traced: {', '.join(self.traced) or 'nothing'}")
         lines.append(f"  pipeline: {' -> '.join(self.passes)}")
+        if self.tuning is not None:
+            lines.append(f"  config: {self.tuning}")
         if self.rewrites:
             lines.append("  rewrites:")
             for r in self.rewrites:

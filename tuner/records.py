@@ -12,6 +12,7 @@ in the same tuning run. It is keyed by
 and carries the torch, triton and fastopt versions it was measured with. ``config="auto"``
 (:func:`apply_tuned`) takes the exact match, else the nearest record of the same device and
 model family (closest dataset signature), else none: the defaults stay, and nothing raises.
+:func:`fastopt.optimize`, which sees no dataset, takes a record of the same device and model.
 """
 
 from __future__ import annotations
@@ -223,8 +224,9 @@ class RecordMatch:
     Attributes:
         record: the record.
         path: its file.
-        how: ``"exact"`` (same device, model fingerprint and dataset signature) or ``"nearest"``
-            (same device and model family, the closest dataset signature).
+        how: ``"exact"`` (same device, model fingerprint and dataset signature), ``"nearest"``
+            (same device and model family, the closest dataset signature) or ``"model"`` (same
+            device and model fingerprint, no dataset to compare).
         distance: the dataset signatures' distance (0 for an exact match).
         applied: the values set on the config.
         kept: values of the record left out, each with the reason.
@@ -279,23 +281,31 @@ def signature_distance(a: Dict[str, Any], b: Dict[str, Any]) -> float:
                      for k in _SIZE_KEYS))
 
 
-def find_record(device: Dict[str, str], model: Dict[str, Any], dataset: Dict[str, Any],
+def find_record(device: Dict[str, str], model: Dict[str, Any], dataset: Optional[Dict[str, Any]],
                 dirs: Sequence[Union[str, os.PathLike]]) -> Optional[RecordMatch]:
     """The record for ``device``, ``model`` and ``dataset`` (from :func:`device_identity`,
     :func:`model_fingerprint`, :func:`dataset_signature`) in ``dirs``, or None.
 
     Exact: same device, model key and dataset signature (sizes, widths, degree percentiles; the
-    name aside); among several, the one of this fastopt version, then the newest. Else nearest:
-    same device and model family, the smallest :func:`signature_distance`. Else None.
+    name aside). Else nearest: same device and model family, the smallest
+    :func:`signature_distance`. Without a dataset (:func:`fastopt.optimize` sees a model, not its
+    graph): same device and model key, whatever the graph (``how="model"``); a record of another
+    width would carry kernel settings chosen for other shapes, so the family alone does not match.
+    Among several equally good records, the one of this fastopt version, then the newest.
     """
     from fastopt import __version__
 
+    def best(found: List[Tuple[Path, TuningRecord]], how: str) -> RecordMatch:
+        path, record = max(found, key=lambda pr: (pr[1].versions.get("fastopt") == __version__, pr[1].created))
+        return RecordMatch(record, path, how)
+
     candidates = [(p, r) for p, r in _read_records([Path(d) for d in dirs]) if _same_device(r.device, device)]
-    exact = [(p, r) for p, r in candidates
-             if r.model.get("key") == model.get("key") and signature_distance(r.dataset, dataset) == 0.0]
+    same_model = [(p, r) for p, r in candidates if r.model.get("key") == model.get("key")]
+    if dataset is None:
+        return best(same_model, "model") if same_model else None
+    exact = [(p, r) for p, r in same_model if signature_distance(r.dataset, dataset) == 0.0]
     if exact:
-        path, record = max(exact, key=lambda pr: (pr[1].versions.get("fastopt") == __version__, pr[1].created))
-        return RecordMatch(record, path, "exact")
+        return best(exact, "exact")
     family = [(signature_distance(r.dataset, dataset), p, r) for p, r in candidates
               if r.model.get("family") == model.get("family")]
     if not family:
@@ -305,7 +315,9 @@ def find_record(device: Dict[str, str], model: Dict[str, Any], dataset: Dict[str
 
 
 def apply_tuned(config: Config, model, graph, device,
-                dirs: Optional[Sequence[Union[str, os.PathLike]]] = None) -> Tuple[Config, Optional[RecordMatch]]:
+                dirs: Optional[Sequence[Union[str, os.PathLike]]] = None, *,
+                groups: Optional[Sequence[str]] = None,
+                fingerprint: Optional[Dict[str, Any]] = None) -> Tuple[Config, Optional[RecordMatch]]:
     """``config`` with the values of the record matching this run (:func:`find_record`), and the
     match; ``(config, None)`` when no record matches. Never raises for a record: an unusable one
     is skipped with a warning.
@@ -313,9 +325,19 @@ def apply_tuned(config: Config, model, graph, device,
     A record sets only knobs the tuner searches, never the batch size (it changes what the model
     learns), and only knobs still at their built-in default: a value set through ``FASTOPT_*``
     or by the caller wins.
+
+    Args:
+        graph: the event stream, or None where the caller has none (:func:`fastopt.optimize`):
+            then only a record of the same model fingerprint matches.
+        groups: config groups the caller uses (``("kernels", "passes")`` for
+            :func:`fastopt.optimize`); the record's other values are kept out, with the reason.
+            None: every group.
+        fingerprint: the model's :func:`model_fingerprint`, where the caller computed it (from
+            the traced graph); None: computed here from the parameters.
     """
     try:
-        match = find_record(device_identity(device), model_fingerprint(model), dataset_signature(graph),
+        match = find_record(device_identity(device), fingerprint or model_fingerprint(model),
+                            None if graph is None else dataset_signature(graph),
                             dirs if dirs is not None else records_dirs(config))
     except (OSError, ValueError, TypeError, KeyError) as exc:
         warnings.warn(f"tuning records could not be searched ({exc}); the defaults apply", stacklevel=2)
@@ -328,6 +350,8 @@ def apply_tuned(config: Config, model, graph, device,
         group, _, knob = name.partition(".")
         if name not in tunable or name in _NOT_APPLIED:
             match.kept[name] = "not a knob config='auto' sets"
+        elif groups is not None and group not in groups:
+            match.kept[name] = f"not used here (only {', '.join(groups)} knobs are)"
         elif given.get(group, {}).get(knob) != default.get(group, {}).get(knob):
             match.kept[name] = "set explicitly"
         else:

@@ -142,3 +142,36 @@ def test_the_package_ships_no_unmeasured_records():
     for path in SHIPPED_RECORDS.glob("*.json"):
         record = TuningRecord.load(path)
         assert record.default_step_seconds and record.study.get("trials")
+
+
+def test_optimize_auto_applies_the_kernel_values_of_the_model_record(tmp_path, tgn, small_graph):
+    import fastopt
+
+    values = {"kernels.block_m": 32, "passes.cuda_graphs": "off", "sampler.threads": 1}
+    with patch(tuner__records_dir=str(tmp_path)):
+        plain = fastopt.optimize(tgn)
+        assert plain.fastopt_report.tuning == "no tuned record matches this device and model; defaults"
+        record_for(tgn, small_graph, values).save(tmp_path / "tgn.json")
+        fast = fastopt.optimize(tgn)
+        explicit = fastopt.optimize(tgn, config=Config())  # an explicit config reads no record
+    report = fast.fastopt_report
+    assert "config: tuned record tgn.json (model match; applied kernels.block_m=32, " \
+           "passes.cuda_graphs=off)" in str(report)
+    runs_under = {m._fastopt_changes.get("kernels__block_m") for m in fast.modules()
+                  if hasattr(m, "_fastopt_changes") and m._fastopt_changes}
+    assert runs_under == {32}
+    assert explicit.fastopt_report.tuning is None and "config:" not in str(explicit.fastopt_report)
+
+
+def test_without_a_dataset_only_the_same_model_matches(tmp_path, tgn, small_graph):
+    wider = build_model("tgn", small_graph, memory_dim=8, dim=16, time_dim=8)
+    record_for(wider, small_graph, {"kernels.block_m": 16}).save(tmp_path / "wider.json")
+    cpu = device_identity("cpu")
+    assert find_record(cpu, model_fingerprint(tgn), None, [tmp_path]) is None
+    assert find_record(cpu, model_fingerprint(tgn), dataset_signature(small_graph), [tmp_path]).how == "nearest"
+    older = record_for(tgn, small_graph, {"kernels.block_m": 32}, created="2026-11-01T00:00:00Z")
+    newer = record_for(tgn, small_graph, {"kernels.block_m": 64}, dataset=dict(older.dataset, events=7))
+    older.save(tmp_path / "older.json")
+    newer.save(tmp_path / "newer.json")
+    match = find_record(cpu, model_fingerprint(tgn), None, [tmp_path])
+    assert match.how == "model" and match.path.name == "newer.json"
