@@ -1,4 +1,5 @@
-"""``fastopt`` command line: ``train``, ``bench``, ``tune``, ``export`` and ``data info|synth``."""
+"""``fastopt`` command line: ``train``, ``bench``, ``tune``, ``export``, ``configs list|show`` and
+``data info|synth``."""
 
 from __future__ import annotations
 
@@ -248,13 +249,14 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="fastopt", description="fast temporal GNN training")
     parser.add_argument("--version", action="version", version=f"fastopt {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{train,bench,tune,export,data}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,bench,tune,export,configs,data}")
     _add_train(sub)
     _add_bench(sub)
-    from fastopt.tuner.cli import add_export, add_tune
+    from fastopt.tuner.cli import add_configs, add_export, add_tune
 
     add_tune(sub, _add_run_flags, _build_config)
     add_export(sub)
+    add_configs(sub)
     _add_data(sub)
     return parser
 
@@ -271,7 +273,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser = _parser()
             args = parser.parse_args(argv)
             if args.command is None:
-                parser.error("choose a command: train, bench, tune, export or data (fastopt --help lists them)")
+                parser.error("choose a command: train, bench, tune, export, configs or data (fastopt --help lists them)")
             from fastopt.config import default_config
 
             default_config()  # FASTOPT_* variables are read here, at the start, for every command

@@ -80,7 +80,7 @@ def test_no_command_and_version(capsys):
     with pytest.raises(SystemExit) as exc:
         main([])
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and "choose a command: train, bench, tune, export or data" in err and "cmd" not in err
+    assert exc.value.code == 2 and "choose a command: train, bench, tune, export, configs or data" in err and "cmd" not in err
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0 and capsys.readouterr().out.startswith("fastopt 0.")

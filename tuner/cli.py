@@ -1,20 +1,23 @@
-"""``fastopt tune`` and ``fastopt export``: the tuner's commands, added to ``fastopt``'s parser.
+"""``fastopt tune``, ``fastopt export`` and ``fastopt configs``: the tuner's commands, added to
+``fastopt``'s parser.
 
 ``fastopt tune`` takes the run flags of ``fastopt train`` (dataset, model, hyperparameters,
 device, seed, ``--config``) for the baseline config, searches the knobs of
 :mod:`fastopt.tuner.space` in an Optuna study (one progress line per trial, with the best so far)
 and writes the best trial as a :class:`~fastopt.tuner.TuningRecord` JSON file. ``fastopt export``
-writes the record of an existing study, finished or not.
+writes the record of an existing study, finished or not. ``fastopt configs list`` shows the
+records ``config="auto"`` can pick (``tuner.records_dir``, then those shipped in the package) and
+``fastopt configs show`` one of them in full.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from fastopt.errors import ConfigError
 
-__all__ = ["add_export", "add_tune"]
+__all__ = ["add_configs", "add_export", "add_tune"]
 
 
 def add_tune(sub, add_run_flags: Callable, build_config: Callable) -> None:
@@ -50,6 +53,22 @@ def add_export(sub) -> None:
     p.add_argument("--study-name", required=True, help="the study to export")
     p.add_argument("--out", default=".", help="folder for the record (default the working directory)")
     p.set_defaults(func=_cmd_export)
+
+
+def add_configs(sub) -> None:
+    """The ``configs list|show`` subcommand."""
+    p = sub.add_parser("configs", help="list or show the tuning records config='auto' can pick")
+    csub = p.add_subparsers(dest="configs_command", metavar="{list,show}", required=True)
+    records = dict(default=None, metavar="DIR",
+                   help="records folder to read instead of tuner.records_dir (the shipped records are read too)")
+    lst = csub.add_parser("list", help="one line per record: device, model, dataset, measured speedup")
+    lst.add_argument("--records", **records)
+    lst.set_defaults(func=_cmd_configs_list)
+    show = csub.add_parser("show", help="every field of one record")
+    show.add_argument("record", help="a record file, or the name of one that fastopt configs list shows")
+    show.add_argument("--records", **records)
+    show.add_argument("--json", action="store_true", help="print the record's JSON")
+    show.set_defaults(func=_cmd_configs_show)
 
 
 # tune's flags setting tuner config values: flag attribute -> field
@@ -125,3 +144,103 @@ def _memory_limit(gigabytes: Optional[float]) -> Optional[int]:
     if not gigabytes > 0:
         raise ConfigError(f"--max-device-memory must be > 0 GB (got {gigabytes}); leave it out for no limit")
     return int(gigabytes * 2**30)
+
+
+def _visible_dirs(records: Optional[str]) -> List[Path]:
+    """The folders ``config="auto"`` reads, with ``--records`` in place of tuner.records_dir."""
+    from fastopt.config import default_config
+    from fastopt.tuner.records import records_dirs
+
+    cfg = default_config().copy()
+    if records is not None:
+        cfg.set("tuner.records_dir", records)
+    return records_dirs(cfg)
+
+
+def _cmd_configs_list(args) -> int:
+    from fastopt.tuner.records import SHIPPED_RECORDS, read_records
+
+    for folder in _visible_dirs(args.records):
+        role = "shipped with fastopt" if folder == SHIPPED_RECORDS else "tuner.records_dir"
+        found = read_records([folder])
+        print(f"{folder} ({role}): {len(found)} record(s)" + ("" if folder.is_dir() else ", no such folder"))
+        for path, record in found:
+            print(f"  {path.name}: {_device_text(record.device)} | {_model_text(record.model)} | "
+                  f"{_dataset_text(record.dataset)} | {_speedup_text(record)}")
+    return 0
+
+
+def _cmd_configs_show(args) -> int:
+    from fastopt.tuner.records import TuningRecord
+
+    path = _find_record_file(args.record, _visible_dirs(args.records))
+    record = TuningRecord.load(path)
+    if args.json:
+        print(record.to_json())
+        return 0
+    m = record.measurement
+    study = record.study
+    values = "\n".join(f"  {k} = {v}" for k, v in record.values.items()) or "  (the baseline's values)"
+    limit = m.get("max_device_memory")
+    lines = [
+        f"record: {path}",
+        f"device: {_device_text(record.device)}",
+        f"model: {_model_text(record.model)}, key {record.model.get('key')}, fanouts {record.model.get('fanouts')}",
+        f"dataset: {_dataset_text(record.dataset)}",
+        f"values:\n{values}",
+        f"step: {_ms(record.step_seconds)} best, {_ms(record.default_step_seconds)} baseline "
+        f"({_speedup_text(record)})",
+        f"epoch: {_s(record.epoch_seconds)} best, {_s(record.default_epoch_seconds)} baseline",
+        f"measured: {m.get('timing') or '?'} timing, {m.get('warmup', '?')} warm-up + {m.get('timed', '?')} "
+        f"timed steps, device memory limit {f'{limit / 2**30:.1f} GB' if limit else 'none'}",
+        "versions: " + ", ".join(f"{k} {v or '-'}" for k, v in record.versions.items()),
+        f"study: {study.get('name', '?')} ({study.get('model_name', '?')}), {study.get('trials', '?')} trial(s), "
+        f"{study.get('complete', 0)} complete, {study.get('pruned', 0)} pruned, best trial "
+        f"{study.get('best_trial', '?')}",
+        f"created: {record.created or '?'}",
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+def _find_record_file(name: str, dirs: List[Path]) -> Path:
+    """``name`` as a file, else the record of that file name (``.json`` optional) in ``dirs``."""
+    from fastopt.tuner.records import RecordError
+
+    if Path(name).is_file():
+        return Path(name)
+    file = name if name.endswith(".json") else f"{name}.json"
+    for folder in dirs:
+        if (folder / file).is_file():
+            return folder / file
+    raise RecordError(f"tuning record {name!r} is neither a file nor a record in "
+                      f"{', '.join(str(d) for d in dirs)}; fastopt configs list names the records there "
+                      f"(--records DIR reads another folder)")
+
+
+def _device_text(device: Dict[str, str]) -> str:
+    capability = device.get("capability")
+    return device.get("name", "?") + (f" (sm {capability})" if capability not in (None, "cpu") else "")
+
+
+def _model_text(model: Dict[str, Any]) -> str:
+    return f"{model.get('family', '?')} ({model.get('parameters', 0):,} parameters)"
+
+
+def _dataset_text(ds: Dict[str, Any]) -> str:
+    return (f"{ds.get('name', '?')}: {ds.get('nodes', 0):,} nodes, {ds.get('events', 0):,} events, "
+            f"features {ds.get('edge_dim', 0)}/{ds.get('node_dim', 0)} (edge/node), degree p50 "
+            f"{ds.get('degree_p50', 0):g} p99 {ds.get('degree_p99', 0):g} max {ds.get('degree_max', 0):g}")
+
+
+def _speedup_text(record) -> str:
+    speedup = record.speedup
+    return f"{speedup:.2f}x the defaults" if speedup else "no baseline measured"
+
+
+def _ms(seconds: Optional[float]) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds else "-"
+
+
+def _s(seconds: Optional[float]) -> str:
+    return f"{seconds:.3f} s" if seconds else "-"

@@ -41,7 +41,8 @@ from fastopt.errors import ConfigError, FastOptError
 from fastopt.tuner.space import knob_fields
 
 __all__ = ["RecordError", "RecordMatch", "TuningRecord", "apply_tuned", "dataset_signature",
-           "device_identity", "find_record", "model_fingerprint", "records_dirs", "SHIPPED_RECORDS"]
+           "device_identity", "find_record", "model_fingerprint", "read_records", "records_dirs",
+           "SHIPPED_RECORDS"]
 
 FORMAT = 1
 # the records shipped inside the package: fastopt/tuned/ beside fastopt's __init__.py, in a
@@ -257,8 +258,10 @@ def records_dirs(config: Config) -> List[Path]:
     return dirs + [SHIPPED_RECORDS]
 
 
-def _read_records(dirs: Sequence[Path]) -> List[Tuple[Path, TuningRecord]]:
-    """Every readable record in ``dirs``; a broken file is skipped with a warning naming it."""
+def read_records(dirs: Sequence[Path]) -> List[Tuple[Path, TuningRecord]]:
+    """Every readable record in ``dirs`` (what :func:`find_record` chooses from, and ``fastopt
+    configs list`` shows), by folder then file name; a broken file is skipped with a warning
+    naming it."""
     found = []
     for folder in dirs:
         if not folder.is_dir():
@@ -299,7 +302,7 @@ def find_record(device: Dict[str, str], model: Dict[str, Any], dataset: Optional
         path, record = max(found, key=lambda pr: (pr[1].versions.get("fastopt") == __version__, pr[1].created))
         return RecordMatch(record, path, how)
 
-    candidates = [(p, r) for p, r in _read_records([Path(d) for d in dirs]) if _same_device(r.device, device)]
+    candidates = [(p, r) for p, r in read_records([Path(d) for d in dirs]) if _same_device(r.device, device)]
     same_model = [(p, r) for p, r in candidates if r.model.get("key") == model.get("key")]
     if dataset is None:
         return best(same_model, "model") if same_model else None

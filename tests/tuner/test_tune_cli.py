@@ -64,3 +64,53 @@ def test_tune_user_errors_exit_2(tiny_file, argv, fragment, capsys):
 def test_export_of_a_missing_study_exits_2(tmp_path, capsys):
     assert main(["export", "--storage", str(tmp_path / "none.db"), "--study-name", "s"]) == 2
     assert "holds no study 's' (it holds none)" in capsys.readouterr().err
+
+
+def _saved_record(folder, small_graph, **changes):
+    import torch
+
+    from fastopt.models import build_model
+    from fastopt.tuner import dataset_signature, device_identity, model_fingerprint
+
+    torch.manual_seed(0)
+    model = build_model("tgn", small_graph, memory_dim=8, dim=8, time_dim=8)
+    fields = dict(device=device_identity("cpu"), model=model_fingerprint(model),
+                  dataset=dataset_signature(small_graph), values={"sampler.threads": 2},
+                  step_seconds=0.05, default_step_seconds=0.06, epoch_seconds=3.0, default_epoch_seconds=3.6,
+                  versions={"torch": "2", "triton": None, "fastopt": "0.1.0"},
+                  measurement={"timing": "wall", "warmup": 3, "timed": 20, "max_device_memory": None},
+                  study={"name": "s", "model_name": "tgn", "trials": 10, "complete": 9, "pruned": 1,
+                         "best_trial": 4}, created="2026-12-01T00:00:00Z")
+    fields.update(changes)
+    return TuningRecord(**fields).save(folder)
+
+
+def test_configs_list_and_show(tmp_path, small_graph, capsys):
+    path = _saved_record(tmp_path, small_graph)
+    assert main(["configs", "list", "--records", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{tmp_path} (tuner.records_dir): 1 record(s)" in out and "(shipped with fastopt): 0 record(s)" in out
+    assert (f"  {path.name}: " in out and "| TGN (" in out and "3,000 events" in out
+            and "features 8/4 (edge/node)" in out and "| 1.20x the defaults" in out)
+
+    for name in (str(path), path.name, path.stem):
+        assert main(["configs", "show", name, "--records", str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        assert f"record: {path}" in out and "  sampler.threads = 2" in out
+        assert "step: 50.00 ms best, 60.00 ms baseline (1.20x the defaults)" in out
+        assert "measured: wall timing, 3 warm-up + 20 timed steps, device memory limit none" in out
+        assert "study: s (tgn), 10 trial(s), 9 complete, 1 pruned, best trial 4" in out
+    assert main(["configs", "show", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["values"] == {"sampler.threads": 2}
+
+
+def test_configs_list_without_records_and_show_of_a_missing_one(tmp_path, capsys):
+    assert main(["configs", "list", "--records", str(tmp_path / "none")]) == 0
+    assert f"{tmp_path / 'none'} (tuner.records_dir): 0 record(s), no such folder" in capsys.readouterr().out
+    assert main(["configs", "show", "nope", "--records", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastopt: error: tuning record 'nope' is neither a file nor a record in ")
+    assert str(tmp_path) in err and "fastopt configs list names the records there" in err
+    (tmp_path / "bad.json").write_text("{")
+    assert main(["configs", "show", str(tmp_path / "bad.json")]) == 2
+    assert "cannot be read as JSON" in capsys.readouterr().err
