@@ -31,7 +31,7 @@ from fastopt.runtime.inputs import GraphInputs
 from fastopt.runtime.loader import EventBatch, Loader, NegativeSampler, StageTimer
 
 __all__ = ["Trainer", "EventBatch", "resolve_device", "make_sampler", "make_optimizer", "NegativeSampler",
-           "read_checkpoint"]
+           "progress_bar", "read_checkpoint"]
 
 STAGES = ("sample", "gather", "forward", "backward", "update", "step")
 
@@ -336,7 +336,7 @@ class Trainer:
         moved = self.loader.bytes_moved()
         t0 = time.perf_counter()
         with self.loader.epoch("train", epoch, timer=timer) as batches:
-            bar = _progress(batches, f"epoch {epoch}", self.progress, total=self.loader.num_batches("train"))
+            bar = progress_bar(batches, f"epoch {epoch}", self.progress, total=self.loader.num_batches("train"))
             for batch in bar:
                 loss = self._step(batch, timer, train=True)
                 total_loss += loss.double() * batch.size
@@ -414,7 +414,7 @@ class Trainer:
         pos_all, neg_all, extra_all = [], [], []
         timer = StageTimer(self.device)
         with self.loader.epoch(split, self.epoch, mrr_negatives, timer=timer) as batches:
-            for batch in _progress(batches, f"eval {split}", self.progress, total=self.loader.num_batches(split)):
+            for batch in progress_bar(batches, f"eval {split}", self.progress, total=self.loader.num_batches(split)):
                 pos, negs, ext = self._step(batch, timer, train=False)
                 pos_all.append(pos)
                 neg_all.append(negs)
@@ -501,12 +501,17 @@ def format_epoch(record: dict) -> str:
             f"auc={val['auc']:.4f} ({record.get('val_seconds', 0.0):.1f}s)")
 
 
-def _progress(iterable, desc: str, enabled: Union[bool, str], total: Optional[int] = None):
+def progress_bar(iterable, desc: str, enabled: Union[bool, str], total: Optional[int] = None,
+                 leave: bool = False):
+    """A tqdm bar over ``iterable`` (None: advanced by ``update()``) where one can be drawn: with
+    ``enabled is True`` on a terminal or in a notebook. Elsewhere an object with the same methods
+    that draws nothing and whose ``disable`` is True, so that the caller prints its lines instead
+    (a log file or pipe gets lines, not bar redraws)."""
     if enabled is not True or not (_isatty(sys.stderr) or _in_notebook()):
-        return _Quiet(iterable)  # a log file or pipe gets the per-epoch lines alone
+        return _Quiet(iterable)
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)
+    return tqdm(iterable, desc=desc, total=total, leave=leave, dynamic_ncols=True)
 
 
 def _isatty(stream) -> bool:
@@ -530,6 +535,15 @@ class _Quiet:
         return iter(self._it)
 
     def set_postfix(self, **kwargs) -> None:
+        pass
+
+    def set_postfix_str(self, text: str) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 

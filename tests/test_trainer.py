@@ -196,9 +196,9 @@ def test_progress_bars_in_a_notebook(monkeypatch):
 
     from fastopt import trainer
 
-    assert isinstance(trainer._progress(range(3), "x", True), trainer._Quiet)  # pytest: no terminal
+    assert isinstance(trainer.progress_bar(range(3), "x", True), trainer._Quiet)  # pytest: no terminal
     shell = type("ZMQInteractiveShell", (), {})()
     monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
-    bar = trainer._progress(range(3), "x", True)
+    bar = trainer.progress_bar(range(3), "x", True)
     assert not isinstance(bar, trainer._Quiet) and list(bar) == [0, 1, 2]
-    assert isinstance(trainer._progress(range(3), "x", "lines"), trainer._Quiet)
+    assert isinstance(trainer.progress_bar(range(3), "x", "lines"), trainer._Quiet)

@@ -3,7 +3,8 @@
 
 ``fastopt tune`` takes the run flags of ``fastopt train`` (dataset, model, hyperparameters,
 device, seed, ``--config``) for the baseline config, searches the knobs of
-:mod:`fastopt.tuner.space` in an Optuna study (one progress line per trial, with the best so far)
+:mod:`fastopt.tuner.space` in an Optuna study (a progress bar with the best so far on a terminal,
+else one line per trial)
 and writes the best trial as a :class:`~fastopt.tuner.TuningRecord` JSON file. ``fastopt export``
 writes the record of an existing study, finished or not. ``fastopt configs list`` shows the
 records ``config="auto"`` can pick (``tuner.records_dir``, then those shipped in the package) and
@@ -43,6 +44,8 @@ def add_tune(sub, add_run_flags: Callable, build_config: Callable) -> None:
     p.add_argument("--steps", type=int, default=None, help="timed steps per trial (default 50)")
     p.add_argument("--out", default=None,
                    help="folder for the record (default tuner.records_dir, else the working directory)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="a line per trial, not a progress bar, on a terminal too")
     p.set_defaults(func=lambda args: _cmd_tune(args, build_config))
 
 
@@ -101,7 +104,8 @@ def _cmd_tune(args, build_config: Callable) -> int:
           flush=True)
     run = tune(graph, args.model, cfg, trials=tu.trials, timeout=args.timeout, storage=tu.storage,
                study_name=args.study_name, batch_sizes=sizes, max_device_memory=limit,
-               window=Window(tu.warmup_steps, tu.steps_per_trial), say=lambda line: print(line, flush=True))
+               window=Window(tu.warmup_steps, tu.steps_per_trial), say=lambda line: print(line, flush=True),
+               progress=not args.no_progress)
     record = run.record or record_from_study(run.study)  # raises, naming why no trial completed
     path = record.save(args.out or tu.records_dir or ".")
     print(_summary(record, path))

@@ -1,4 +1,4 @@
-"""One tuning run: a study over a space, its baseline trial, progress lines and the record.
+"""One tuning run: a study over a space, its baseline trial, its progress and the record.
 
 :func:`tune` opens (or resumes) a study, stores what the study is about in the study's user
 attribute ``fastopt`` (model fingerprint, dataset signature, device, versions, the window), runs
@@ -63,7 +63,7 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
          storage: str = "", study_name: Optional[str] = None,
          batch_sizes: Optional[Sequence[int]] = None, max_device_memory: Optional[int] = None,
          window: Optional[Window] = None, say: Callable[[str], None] = print,
-         make_trainer: Optional[Callable[[Config], Any]] = None) -> TuningRun:
+         make_trainer: Optional[Callable[[Config], Any]] = None, progress: bool = False) -> TuningRun:
     """Tune the knobs of training ``model_name`` on ``graph`` (see :mod:`fastopt.tuner`).
 
     Args:
@@ -78,15 +78,18 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
         batch_sizes: batch sizes to search; default the config's alone.
         max_device_memory: bytes a trial may hold on a CUDA device.
         window: steps per trial; default ``config.tuner.warmup_steps`` and ``steps_per_trial``.
-        say: receives one progress line per trial.
+        say: receives the search space, and one progress line per trial where no bar is drawn.
         make_trainer: builds a trainer for a config (default :func:`default_trainer`).
+        progress: a progress bar of the trials with the best so far, in place of the per-trial
+            lines, where one can be drawn (a terminal or a notebook: the trainer's
+            :func:`~fastopt.trainer.progress_bar`); a log file or pipe keeps the lines.
 
     Raises:
         StudyError: the storage cannot be opened, or the study of that name tunes another model,
             dataset, device or space.
     """
     from fastopt.models import build_model
-    from fastopt.trainer import resolve_device
+    from fastopt.trainer import progress_bar, resolve_device
 
     device = resolve_device(config.train.device)
     torch.manual_seed(config.train.seed)
@@ -112,8 +115,12 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
     objective = StepObjective(space, config, make_trainer or default_trainer(model_name, graph), window,
                               max_device_memory)
     if trials > done:
-        study.optimize(objective, n_trials=trials - done, timeout=timeout,
-                       callbacks=[_progress(trials, say)], gc_after_trial=True)
+        bar = progress_bar(None, "fastopt tune", progress, total=trials - done, leave=True)
+        try:
+            study.optimize(objective, n_trials=trials - done, timeout=timeout,
+                           callbacks=[_progress(trials, say, bar)], gc_after_trial=True)
+        finally:
+            bar.close()
     completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     return TuningRun(study, space, record_from_study(study) if completed else None)
 
@@ -134,26 +141,33 @@ def _claim(study: optuna.Study, context: Dict[str, Any]) -> None:
                              f"device as the study")
 
 
-def _progress(total: int, say: Callable[[str], None]):
-    """A study callback printing one line per finished trial, with the best so far."""
-    def line(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+def _progress(total: int, say: Callable[[str], None], bar):
+    """A study callback reporting each finished trial with the best so far: a line to ``say``, or,
+    where ``bar`` draws (:func:`~fastopt.trainer.progress_bar`), a step of the bar whose postfix
+    holds the best so far and the last trial's outcome."""
+    def report(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         head = f"trial {trial.number + 1}/{total}"
         if trial.user_attrs.get(ROLE) == "baseline":
             head += " (baseline)"
         if trial.state == optuna.trial.TrialState.COMPLETE:
             what = (f"{trial.value:.3f} s/epoch (step {trial.user_attrs['step_seconds'] * 1e3:.2f} ms) "
                     f"{values_line(trial.user_attrs.get('values', {}))}")
+            last = f"{trial.value:.3f} s/epoch"
         else:
             reason = trial.user_attrs.get("failure") or trial.user_attrs.get("pruned") or trial.state.name
-            what = f"pruned: {reason}"
+            what, last = f"pruned: {reason}", "pruned"
         try:
             best = study.best_trial
             tail = f"best {best.value:.3f} s/epoch (trial {best.number + 1})"
         except ValueError:
             tail = "no trial completed yet"
-        say(f"{head}: {what} | {tail}")
+        if bar.disable:
+            say(f"{head}: {what} | {tail}")
+        else:
+            bar.update(1)
+            bar.set_postfix_str(f"{tail}; trial {trial.number + 1}: {last}")
 
-    return line
+    return report
 
 
 def record_from_study(study: optuna.Study) -> TuningRecord:

@@ -118,3 +118,22 @@ def test_storage_urls():
     assert storage_url("postgresql://u@h/db") == "postgresql://u@h/db"
     assert storage_url("a.db").startswith("sqlite:///") and storage_url("a.db").endswith("/a.db")
     assert storage_url("").endswith("/fastopt-tune.db")
+
+
+def test_progress_bar_on_a_terminal_lines_elsewhere(small_graph, config, tmp_path, one_thread, monkeypatch,
+                                                    capsys):
+    import fastopt.trainer
+
+    lines = []
+    tune(small_graph, "tgn", config, trials=2, storage=str(tmp_path / "p.db"), study_name="lines",
+         window=WINDOW, say=lines.append, progress=True)  # stderr is no terminal here
+    assert sum(line.startswith("trial ") for line in lines) == 2
+    assert "fastopt tune" not in capsys.readouterr().err
+
+    monkeypatch.setattr(fastopt.trainer, "_isatty", lambda stream: True)
+    lines.clear()
+    tune(small_graph, "tgn", config, trials=2, storage=str(tmp_path / "p.db"), study_name="bar",
+         window=WINDOW, say=lines.append, progress=True)
+    assert lines and not any(line.startswith("trial ") for line in lines)  # the space, no trial lines
+    err = capsys.readouterr().err
+    assert "fastopt tune" in err and "2/2" in err and "best " in err and "trial 2: " in err
