@@ -91,9 +91,10 @@ def _apply_record(cfg: Config, model: nn.Module) -> Tuple[Config, str]:
     """``cfg`` with the kernel and pass values of the tuning record matching ``model`` on its
     parameters' device (no dataset: a record of the same model fingerprint), and the report's
     line saying which record, if any."""
+    from fastopt.trainer import tuning_fingerprint
     from fastopt.tuner.records import apply_tuned
 
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
-    cfg, match = apply_tuned(cfg, model, None, device, groups=_TUNED_GROUPS)
+    cfg, match = apply_tuned(cfg, tuning_fingerprint(model), None, device, groups=_TUNED_GROUPS)
     return cfg, match.describe() if match else "no tuned record matches this device and model; defaults"

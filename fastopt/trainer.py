@@ -31,7 +31,7 @@ from fastopt.runtime.inputs import GraphInputs
 from fastopt.runtime.loader import EventBatch, Loader, NegativeSampler, StageTimer
 
 __all__ = ["Trainer", "EventBatch", "resolve_device", "make_sampler", "make_optimizer", "NegativeSampler",
-           "progress_bar", "read_checkpoint"]
+           "progress_bar", "read_checkpoint", "tuning_fingerprint"]
 
 STAGES = ("sample", "gather", "forward", "backward", "update", "step")
 
@@ -81,6 +81,18 @@ def make_optimizer(params, lr: float, device: torch.device, capturable: bool = F
     if device.type == "cuda":
         return torch.optim.Adam(params, lr=lr, fused=True)
     return torch.optim.Adam(params, lr=lr)
+
+
+def tuning_fingerprint(model: nn.Module) -> dict:
+    """The key tuning records file ``model`` under (:func:`fastopt.tuner.records.model_fingerprint`)
+    from the structure of its traced graphs (:func:`fastopt.passes.graph_structure`). Here, where
+    the passes and the tuner may both be imported, so that the trainer, :func:`fastopt.optimize`
+    and the tuner (which does not import the passes) compute one and the same key."""
+    from fastopt.passes import graph_structure
+    from fastopt.tuner.records import model_fingerprint
+
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    return model_fingerprint(model, graph_structure(model))
 
 
 def wants_step_graphs(config: Config, device: torch.device, optimized: bool) -> bool:
@@ -163,7 +175,7 @@ class Trainer:
         if records or (records is None and (config is None or isinstance(config, str))):
             from fastopt.tuner.records import apply_tuned
 
-            self.config, self.tuned = apply_tuned(self.config, model, graph, self.device)
+            self.config, self.tuned = apply_tuned(self.config, tuning_fingerprint(model), graph, self.device)
             self._say(f"config: {self.tuned.describe() if self.tuned else 'no tuned record matches; defaults'}")
         tc = self.config.train
         model = model.to(self.device)

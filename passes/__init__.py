@@ -21,7 +21,7 @@ from fastopt.passes.project_before_gather import ProjectBeforeGather
 from fastopt.passes.split_linear import SplitLinearInputs
 from fastopt.passes.report import LeftAlone, Rewrite, RewriteReport
 from fastopt.passes.time_encoding import FuseTimeEncoding
-from fastopt.passes.tracing import FastOptTracer, trace
+from fastopt.passes.tracing import FastOptTracer, graph_structure, trace
 
 __all__ = [
     "FuseMultiheadAttention",
@@ -39,5 +39,6 @@ __all__ = [
     "Rewrite",
     "LeftAlone",
     "FastOptTracer",
+    "graph_structure",
     "trace",
 ]

@@ -14,18 +14,22 @@ In-place writes to buffers (``self.count.add_(1)``) are recorded in the graph an
 ``self.training`` is read as a Python bool while tracing, so code such as
 ``F.dropout(x, p, training=self.training)`` is traced once per mode; the optimized module runs the
 graph of its current mode.
+
+:func:`graph_structure` describes what tracing finds without the names a user chose (variables,
+attributes, submodules): the key a tuning record is filed under (:mod:`fastopt.tuner.records`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional
 
+import torch
 from torch import fx, nn
 
 from fastopt.errors import TraceError
 
-__all__ = ["FastOptTracer", "trace", "is_builtin_leaf"]
+__all__ = ["FastOptTracer", "graph_structure", "trace", "is_builtin_leaf"]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -99,3 +103,77 @@ def trace(module: nn.Module, training: bool) -> fx.GraphModule:
             f"{', '.join(sorted(set(writes)))}, a state write a graph does not record"
         )
     return gm
+
+
+def graph_structure(module: nn.Module) -> Optional[List[list]]:
+    """What ``module`` computes, names left out: a JSON-able list, or None when no part traces.
+
+    Parts are found as :func:`fastopt.optimize` finds them: the module traced in training mode,
+    else each child in turn (a module that does not trace lists its class and its own parameters'
+    shapes, then its children). A traced graph lists its nodes in order, each with its kind (the
+    function's qualified name, the method's name, the leaf module's class and parameter shapes,
+    a parameter's or buffer's shape) and its arguments as positions of earlier nodes and
+    constants. Renaming an attribute, a submodule or a ``forward`` argument leaves it unchanged;
+    another width or another op changes it.
+    """
+    parts: List[list] = []
+    _describe(module, parts)
+    return parts if any(part[0] == "graph" for part in parts) else None
+
+
+def _describe(module: nn.Module, parts: List[list]) -> None:
+    if not is_builtin_leaf(module):
+        try:
+            gm = trace(module, True)
+        except TraceError:
+            pass
+        else:
+            parts.append(["graph", _nodes(gm)])
+            return
+    own = [list(p.shape) for p in module.parameters(recurse=False)]
+    parts.append(["untraced", type(module).__name__, own])
+    if not is_builtin_leaf(module):
+        for child in module.children():
+            _describe(child, parts)
+
+
+def _nodes(gm: fx.GraphModule) -> List[list]:
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+
+    def arg(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            return ["%", position[value]]
+        if isinstance(value, (list, tuple)):
+            return [arg(v) for v in value]
+        if isinstance(value, dict):
+            return {str(k): arg(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, (torch.dtype, torch.device, torch.Size)):
+            return str(value)
+        return type(value).__name__
+
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            target = node.target
+            kind = f"{getattr(target, '__module__', None) or ''}.{getattr(target, '__qualname__', None) or target}"
+        elif node.op == "call_method":
+            kind = node.target
+        elif node.op == "call_module":
+            leaf = gm.get_submodule(node.target)
+            kind = [type(leaf).__name__, [list(p.shape) for p in leaf.parameters()]]
+        elif node.op == "get_attr":
+            value = _attribute(gm, node.target)
+            kind = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        else:  # placeholder, output: their names are the user's
+            kind = None
+        out.append([node.op, kind, arg(node.args), arg(node.kwargs)])
+    return out
+
+
+def _attribute(gm: fx.GraphModule, target: str) -> Any:
+    value: Any = gm
+    for name in target.split("."):
+        value = getattr(value, name)
+    return value

@@ -5,8 +5,8 @@ how fast: the median step of the best trial and of the baseline (default) config
 in the same tuning run. It is keyed by
 
 - the device: the GPU's name and compute capability, or ``"cpu"`` and the CPU model;
-- the model's fingerprint: its class, its parameters' shapes in order and its fanouts (the
-  structure, not the variables' names);
+- the model's fingerprint: its class, its fanouts and its traced graphs' ops and shapes (its
+  parameters' shapes in order where no part traces): the structure, not the variables' names;
 - the dataset's signature: nodes, events, feature widths and degree percentiles;
 
 and carries the torch, triton and fastopt versions it was measured with. ``config="auto"``
@@ -82,16 +82,21 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown cpu"
 
 
-def model_fingerprint(model) -> Dict[str, Any]:
-    """The model's structure: class name, fanouts, the shapes of its parameters in order, and a
-    key hashing them. Renaming an attribute leaves it unchanged; changing a width changes it."""
+def model_fingerprint(model, structure: Optional[List[Any]] = None) -> Dict[str, Any]:
+    """The model's structure: class name, fanouts, parameter count, and a key hashing them with
+    ``structure`` (the traced graphs' ops and shapes, :func:`fastopt.passes.graph_structure`,
+    handed over by the caller: the tuner does not import the passes) where given, else with the
+    shapes of its parameters in order. Renaming an attribute leaves the key unchanged; changing a
+    width changes it. ``traced`` says which of the two the key hashes."""
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     shapes = [list(p.shape) for p in model.parameters()]
     fanouts = [int(k) for k in getattr(model, "fanouts", []) or []]
     family = type(model).__name__
-    text = json.dumps({"family": family, "fanouts": fanouts, "shapes": shapes}, sort_keys=True)
+    content = {"family": family, "fanouts": fanouts}
+    content.update({"shapes": shapes} if structure is None else {"structure": structure})
+    text = json.dumps(content, sort_keys=True)
     return {"family": family, "fanouts": fanouts, "parameters": int(sum(math.prod(s) for s in shapes)),
-            "key": hashlib.sha256(text.encode()).hexdigest()[:16]}
+            "traced": structure is not None, "key": hashlib.sha256(text.encode()).hexdigest()[:16]}
 
 
 def dataset_signature(graph) -> Dict[str, Any]:
@@ -317,10 +322,9 @@ def find_record(device: Dict[str, str], model: Dict[str, Any], dataset: Optional
     return RecordMatch(record, path, "nearest", distance)
 
 
-def apply_tuned(config: Config, model, graph, device,
+def apply_tuned(config: Config, fingerprint: Dict[str, Any], graph, device,
                 dirs: Optional[Sequence[Union[str, os.PathLike]]] = None, *,
-                groups: Optional[Sequence[str]] = None,
-                fingerprint: Optional[Dict[str, Any]] = None) -> Tuple[Config, Optional[RecordMatch]]:
+                groups: Optional[Sequence[str]] = None) -> Tuple[Config, Optional[RecordMatch]]:
     """``config`` with the values of the record matching this run (:func:`find_record`), and the
     match; ``(config, None)`` when no record matches. Never raises for a record: an unusable one
     is skipped with a warning.
@@ -330,16 +334,16 @@ def apply_tuned(config: Config, model, graph, device,
     or by the caller wins.
 
     Args:
+        fingerprint: the model's key, :func:`fastopt.trainer.tuning_fingerprint` (from its traced
+            graphs), the one :func:`fastopt.tuner.tune` files records under.
         graph: the event stream, or None where the caller has none (:func:`fastopt.optimize`):
             then only a record of the same model fingerprint matches.
         groups: config groups the caller uses (``("kernels", "passes")`` for
             :func:`fastopt.optimize`); the record's other values are kept out, with the reason.
             None: every group.
-        fingerprint: the model's :func:`model_fingerprint`, where the caller computed it (from
-            the traced graph); None: computed here from the parameters.
     """
     try:
-        match = find_record(device_identity(device), fingerprint or model_fingerprint(model),
+        match = find_record(device_identity(device), fingerprint,
                             None if graph is None else dataset_signature(graph),
                             dirs if dirs is not None else records_dirs(config))
     except (OSError, ValueError, TypeError, KeyError) as exc:

@@ -17,8 +17,7 @@ import torch
 
 from fastopt.config import Config
 from fastopt.tuner.objective import StepObjective, Window, values_line
-from fastopt.tuner.records import (TuningRecord, dataset_signature, device_identity, library_versions,
-                                   model_fingerprint, now)
+from fastopt.tuner.records import TuningRecord, dataset_signature, device_identity, library_versions, now
 from fastopt.tuner.space import SearchSpace, build_space
 from fastopt.tuner.storage import StudyError, open_study
 
@@ -89,7 +88,7 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
             dataset, device or space.
     """
     from fastopt.models import build_model
-    from fastopt.trainer import progress_bar, resolve_device
+    from fastopt.trainer import progress_bar, resolve_device, tuning_fingerprint
 
     device = resolve_device(config.train.device)
     torch.manual_seed(config.train.seed)
@@ -98,7 +97,7 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
     window = window or Window(config.tuner.warmup_steps, config.tuner.steps_per_trial)
     say("search space:\n  " + space.describe().replace("\n", "\n  "))
     identity = device_identity(device)
-    context = {"model": model_fingerprint(model), "model_name": model_name, "dataset": dataset_signature(graph),
+    context = {"model": tuning_fingerprint(model), "model_name": model_name, "dataset": dataset_signature(graph),
                "device": identity, "versions": library_versions(), "space": list(space.names),
                "fixed": space.fixed, "window": {"warmup": window.warmup, "timed": window.timed},
                "max_device_memory": max_device_memory, "baseline": config.to_dict()}

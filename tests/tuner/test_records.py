@@ -11,7 +11,7 @@ from torch import nn
 
 from fastopt.config import Config, patch
 from fastopt.models import build_model
-from fastopt.trainer import Trainer
+from fastopt.trainer import Trainer, tuning_fingerprint
 from fastopt.tuner import (TuningRecord, apply_tuned, dataset_signature, device_identity, find_record,
                            model_fingerprint)
 from fastopt.tuner.records import SHIPPED_RECORDS, RecordError
@@ -20,7 +20,7 @@ SMALL = {"memory_dim": 8, "dim": 8, "time_dim": 8}
 
 
 def record_for(model, graph, values, **changes) -> TuningRecord:
-    fields = dict(device=device_identity("cpu"), model=model_fingerprint(model),
+    fields = dict(device=device_identity("cpu"), model=tuning_fingerprint(model),
                   dataset=dataset_signature(graph), values=values, step_seconds=0.01,
                   default_step_seconds=0.02, versions={"fastopt": "0.1.0"}, created="2026-12-01T00:00:00Z")
     fields.update(changes)
@@ -71,6 +71,33 @@ def test_fingerprint_is_structure_not_names(tgn, small_graph):
     assert model_fingerprint(more)["fanouts"] == [5] and model_fingerprint(more)["key"] != model_fingerprint(tgn)["key"]
 
 
+class Block(nn.Module):
+    """A traceable model whose submodule and argument names can change."""
+
+    def __init__(self, width: int, rename: bool = False, op=torch.relu) -> None:
+        super().__init__()
+        setattr(self, "project" if rename else "first", nn.Linear(4, width))
+        self.name, self.op = ("project" if rename else "first"), op
+
+    def forward(self, x):
+        return self.op(getattr(self, self.name)(x)).sum(-1)
+
+
+def test_traced_fingerprint_is_the_graph_not_the_names(tgn, small_graph):
+    same, renamed = tuning_fingerprint(Block(8)), tuning_fingerprint(Block(8, rename=True))
+    assert same["traced"] and same["key"] == renamed["key"]
+    assert tuning_fingerprint(Block(16))["key"] != same["key"]  # a width
+    assert tuning_fingerprint(Block(8, op=torch.tanh))["key"] != same["key"]  # an op, same parameters
+    assert model_fingerprint(Block(8, op=torch.tanh))["key"] == model_fingerprint(Block(8))["key"]
+    # the reference models trace in parts (their layers, predictor, time encodings)
+    assert tuning_fingerprint(tgn)["traced"] and tuning_fingerprint(tgn)["key"] != model_fingerprint(tgn)["key"]
+    wider = build_model("tgn", small_graph, memory_dim=8, dim=16, time_dim=8)
+    assert tuning_fingerprint(wider)["key"] != tuning_fingerprint(tgn)["key"]
+    # nothing traces (no forward): the parameter shapes, as before
+    assert tuning_fingerprint(Net(8)) == model_fingerprint(Net(8)) and not model_fingerprint(Net(8))["traced"]
+    assert tuning_fingerprint(Net(8))["key"] == tuning_fingerprint(Net(8, rename=True))["key"]
+
+
 def test_lookup_exact_then_nearest_then_none(tmp_path, tgn, small_graph, wikipedia):
     here = dataset_signature(small_graph)
     far = dict(here, events=here["events"] * 100, nodes=here["nodes"] * 10)
@@ -79,7 +106,7 @@ def test_lookup_exact_then_nearest_then_none(tmp_path, tgn, small_graph, wikiped
     record_for(tgn, small_graph, {"sampler.threads": 1}, dataset=far).save(tmp_path / "far.json")
     record_for(tgn, small_graph, {"sampler.threads": 2}, dataset=near).save(tmp_path / "near.json")
     record_for(tgn, small_graph, {"sampler.threads": 3}, device=other_device).save(tmp_path / "other.json")
-    cpu, fp = device_identity("cpu"), model_fingerprint(tgn)
+    cpu, fp = device_identity("cpu"), tuning_fingerprint(tgn)
 
     match = find_record(cpu, fp, here, [tmp_path])
     assert match.how == "nearest" and match.path.name == "near.json" and match.distance > 0
@@ -88,7 +115,7 @@ def test_lookup_exact_then_nearest_then_none(tmp_path, tgn, small_graph, wikiped
     match = find_record(cpu, fp, here, [tmp_path])
     assert match.how == "exact" and match.record.values == {"sampler.threads": 4}
 
-    jodie = model_fingerprint(build_model("jodie", small_graph, **SMALL))
+    jodie = tuning_fingerprint(build_model("jodie", small_graph, **SMALL))
     assert find_record(cpu, jodie, here, [tmp_path]) is None  # another model family
     assert find_record(dict(cpu, name="a third cpu"), fp, here, [tmp_path]) is None
     assert find_record(cpu, fp, here, [tmp_path / "empty"]) is None
@@ -100,7 +127,7 @@ def test_apply_tuned_sets_tuned_knobs_only(tmp_path, tgn, small_graph):
     record_for(tgn, small_graph, values).save(tmp_path)
     config = Config()
     config.set("pipeline.stage_threads", 1)  # set by the user: the user's value stays
-    tuned, match = apply_tuned(config, tgn, small_graph, "cpu", dirs=[tmp_path])
+    tuned, match = apply_tuned(config, tuning_fingerprint(tgn), small_graph, "cpu", dirs=[tmp_path])
     assert match.applied == {"sampler.threads": 1, "pipeline.prefetch_depth": 4}
     assert set(match.kept) == {"train.batch_size", "train.lr", "pipeline.stage_threads"}
     assert tuned.sampler.threads == 1 and tuned.pipeline.prefetch_depth == 4
@@ -112,7 +139,7 @@ def test_apply_tuned_sets_tuned_knobs_only(tmp_path, tgn, small_graph):
 def test_a_broken_record_is_skipped_with_a_warning(tmp_path, tgn, small_graph):
     (tmp_path / "broken.json").write_text("{")
     with pytest.warns(UserWarning, match="broken.json"):
-        tuned, match = apply_tuned(Config(), tgn, small_graph, "cpu", dirs=[tmp_path])
+        tuned, match = apply_tuned(Config(), tuning_fingerprint(tgn), small_graph, "cpu", dirs=[tmp_path])
     assert match is None and tuned.to_dict() == Config().to_dict()
 
 
@@ -167,11 +194,12 @@ def test_without_a_dataset_only_the_same_model_matches(tmp_path, tgn, small_grap
     wider = build_model("tgn", small_graph, memory_dim=8, dim=16, time_dim=8)
     record_for(wider, small_graph, {"kernels.block_m": 16}).save(tmp_path / "wider.json")
     cpu = device_identity("cpu")
-    assert find_record(cpu, model_fingerprint(tgn), None, [tmp_path]) is None
-    assert find_record(cpu, model_fingerprint(tgn), dataset_signature(small_graph), [tmp_path]).how == "nearest"
+    fp = tuning_fingerprint(tgn)
+    assert find_record(cpu, fp, None, [tmp_path]) is None
+    assert find_record(cpu, fp, dataset_signature(small_graph), [tmp_path]).how == "nearest"
     older = record_for(tgn, small_graph, {"kernels.block_m": 32}, created="2026-11-01T00:00:00Z")
     newer = record_for(tgn, small_graph, {"kernels.block_m": 64}, dataset=dict(older.dataset, events=7))
     older.save(tmp_path / "older.json")
     newer.save(tmp_path / "newer.json")
-    match = find_record(cpu, model_fingerprint(tgn), None, [tmp_path])
+    match = find_record(cpu, fp, None, [tmp_path])
     assert match.how == "model" and match.path.name == "newer.json"

@@ -70,11 +70,12 @@ def _saved_record(folder, small_graph, **changes):
     import torch
 
     from fastopt.models import build_model
-    from fastopt.tuner import dataset_signature, device_identity, model_fingerprint
+    from fastopt.trainer import tuning_fingerprint
+    from fastopt.tuner import dataset_signature, device_identity
 
     torch.manual_seed(0)
     model = build_model("tgn", small_graph, memory_dim=8, dim=8, time_dim=8)
-    fields = dict(device=device_identity("cpu"), model=model_fingerprint(model),
+    fields = dict(device=device_identity("cpu"), model=tuning_fingerprint(model),
                   dataset=dataset_signature(small_graph), values={"sampler.threads": 2},
                   step_seconds=0.05, default_step_seconds=0.06, epoch_seconds=3.0, default_epoch_seconds=3.6,
                   versions={"torch": "2", "triton": None, "fastopt": "0.1.0"},
