@@ -90,12 +90,25 @@ def _add_data(sub) -> None:
     info.add_argument("file", help="built-in name or path")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(func=_cmd_info)
-    syn = dsub.add_parser("synth", help="generate a large stream with the statistics of a real one")
-    syn.add_argument("--like", default="wikipedia", help="graph whose statistics are copied")
+    syn = dsub.add_parser("synth", help="generate a large stream with the statistics of a real one, "
+                                        "or with the GDELT-like profile (--like gdelt)")
+    syn.add_argument("--like", default="wikipedia",
+                     help="graph whose statistics are copied, or gdelt: the GDELT-like profile, "
+                          "generated a chunk at a time")
     syn.add_argument("--events", type=int, required=True, help="number of events to generate")
-    syn.add_argument("--nodes", type=int, default=None, help="node count (default: scaled with events)")
+    syn.add_argument("--nodes", type=int, default=None,
+                     help="node count (default: scaled with events; 16682 for gdelt)")
     syn.add_argument("--seed", type=int, default=0)
-    syn.add_argument("--out", required=True, help="output .npz")
+    syn.add_argument("--out", required=True,
+                     help="a new folder of memory-mapped .npy files, or a file ending in .npz (held in RAM)")
+    gdelt = syn.add_argument_group("the GDELT-like profile (--like gdelt)")
+    gdelt.add_argument("--edge-dim", type=int, default=None, help="edge feature width (default 186)")
+    gdelt.add_argument("--repeat", type=float, default=None,
+                       help="probability of meeting a past partner again (default 0.9)")
+    gdelt.add_argument("--activity-exponent", type=float, default=None,
+                       help="Zipf exponent of actor activity (default 1.0)")
+    gdelt.add_argument("--chunk-events", type=int, default=None,
+                       help="events held in RAM at a time (default 131072; the graph does not depend on it)")
     syn.set_defaults(func=_cmd_synth)
 
 
@@ -232,15 +245,48 @@ def _number(value) -> str:
 
 
 def _cmd_synth(args) -> int:
-    from fastopt.data import load_dataset, save_npz
-    from fastopt.data.synth import synthesize
+    import dataclasses
 
-    like = load_dataset(args.like)
+    from fastopt.data import load_dataset, save_npz
+    from fastopt.data.npydir import write_npy_dir
+    from fastopt.data.synth import BLOCK_EVENTS, GdeltProfile, gdelt_chunks, synthesize, synthesize_gdelt
+    from fastopt.errors import DataError
+
     t0 = time.perf_counter()
-    graph = synthesize(like, args.events, num_nodes=args.nodes, seed=args.seed)
-    save_npz(graph, args.out)
-    print(f"wrote {args.out}: {graph.num_events:,} events over {graph.num_nodes:,} nodes "
-          f"like {like.name} in {time.perf_counter() - t0:.1f}s")
+    profile_flags = {"edge_dim": args.edge_dim, "repeat": args.repeat,
+                     "activity_exponent": args.activity_exponent}
+    to_npz = args.out.endswith(".npz")
+    if args.like == "gdelt":
+        profile = GdeltProfile(**{k: v for k, v in {**profile_flags, "num_nodes": args.nodes}.items()
+                                  if v is not None})
+        if to_npz:
+            graph = synthesize_gdelt(profile, args.events, seed=args.seed)
+        else:
+            chunks = gdelt_chunks(profile, args.events, seed=args.seed,
+                                  chunk_events=args.chunk_events or BLOCK_EVENTS)
+            write_npy_dir(args.out, chunks, num_events=args.events, num_nodes=profile.num_nodes,
+                          edge_dim=profile.edge_dim, name="synth-gdelt",
+                          meta={"like": "gdelt", "seed": args.seed, **dataclasses.asdict(profile)})
+            graph = None
+        nodes, like = profile.num_nodes, "the GDELT-like profile"
+    else:
+        given = [f"--{k.replace('_', '-')}" for k, v in {**profile_flags, "chunk_events": args.chunk_events}.items()
+                 if v is not None]
+        if given:
+            raise DataError(f"{', '.join(given)} set the GDELT-like profile, not --like {args.like}; "
+                            f"drop them or pass --like gdelt")
+        source = load_dataset(args.like)
+        graph = synthesize(source, args.events, num_nodes=args.nodes, seed=args.seed)
+        nodes, like = graph.num_nodes, source.name
+        if not to_npz:
+            write_npy_dir(args.out, [(graph.src, graph.dst, graph.ts, graph.edge_feat)],
+                          num_events=graph.num_events, num_nodes=graph.num_nodes, edge_dim=graph.edge_dim,
+                          name=graph.name, bipartite=graph.bipartite, node_feat=graph.node_feat,
+                          meta={"like": source.name, "seed": args.seed})
+    if to_npz:
+        save_npz(graph, args.out)
+    print(f"wrote {args.out}: {args.events:,} events over {nodes:,} nodes like {like} in "
+          f"{time.perf_counter() - t0:.1f}s")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -202,10 +203,17 @@ def _pyg_temporal_data():
     return TemporalData
 
 
+# Bytes of a feature table checked at once: bounds the temporaries of the finiteness check.
+_CHECK_BYTES = 16 << 20
+
+
 def _check_feat(name: str, feat: Optional[np.ndarray], rows: int) -> Optional[np.ndarray]:
+    """``feat`` as a C-contiguous float32 table of ``rows`` rows (None when zero wide), checked for
+    NaN and infinity. A memory-mapped table (``np.memmap``) stays mapped, not read into RAM."""
     if feat is None:
         return None
-    feat = np.ascontiguousarray(feat, dtype=np.float32)
+    if not (isinstance(feat, np.memmap) and feat.dtype == np.float32 and feat.flags.c_contiguous):
+        feat = np.ascontiguousarray(feat, dtype=np.float32)
     if feat.ndim == 1:
         feat = feat[:, None]
     if feat.ndim != 2 or feat.shape[0] != rows:
@@ -213,6 +221,20 @@ def _check_feat(name: str, feat: Optional[np.ndarray], rows: int) -> Optional[np
                         f"{'node' if name == 'node_feat' else 'event'}")
     if feat.shape[1] == 0:
         return None
-    if not np.isfinite(feat).all():
-        raise DataError(f"{name} contains NaN or infinite values; clean the feature columns")
+    step = max(1, _CHECK_BYTES // (4 * feat.shape[1]))
+    for lo in range(0, rows, step):
+        if not np.isfinite(_rows(feat, lo, min(lo + step, rows))).all():
+            raise DataError(f"{name} contains NaN or infinite values (in rows {lo}..{min(lo + step, rows) - 1}); "
+                            f"clean the feature columns")
     return feat
+
+
+def _rows(feat: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Rows ``lo:hi`` of ``feat``; those of a file-mapped table read from its file, so that the
+    check leaves no pages of the table mapped into the process (resident, counted in its RSS)."""
+    # only a whole mapped file: a view of one keeps the file's offset, not its own
+    if isinstance(feat, np.memmap) and isinstance(feat.base, mmap.mmap) and feat.ndim == 2:
+        width = feat.shape[1]
+        return np.fromfile(feat.filename, dtype=feat.dtype, count=(hi - lo) * width,
+                           offset=feat.offset + lo * width * feat.itemsize)
+    return feat[lo:hi]

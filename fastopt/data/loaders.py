@@ -10,6 +10,8 @@ Formats (optionally gzip-compressed, detected by magic bytes):
 * Whitespace ``src dst ts`` (SNAP) or ``t i j`` (SocioPatterns), no header: the time column is
   the one whose values never decrease.
 * ``.npz`` written by :func:`save_npz` (and by ``fastopt data synth``).
+* A folder of ``.npy`` files with a ``graph.json`` (:mod:`fastopt.data.npydir`, written by
+  ``fastopt data synth --out DIR``): memory-mapped, not parsed, not cached.
 
 Ids are remapped to dense ``0..N-1`` and events sorted stably by time. Parsed files are cached
 as ``.npz`` in the user cache directory (:func:`dataset_cache_dir`; nothing is written beside
@@ -34,6 +36,7 @@ import numpy as np
 from fastopt.codegen.cache import atomic_file
 from fastopt.config import default_config
 from fastopt.data.graph import TemporalGraph
+from fastopt.data.npydir import MANIFEST, is_npy_dir, load_npy_dir
 from fastopt.errors import DataError
 
 __all__ = ["load_dataset", "load_file", "save_npz", "builtin_datasets", "resolve_dataset", "dataset_cache_dir"]
@@ -73,10 +76,13 @@ def resolve_dataset(name_or_path: Union[str, os.PathLike]) -> Path:
             f"existing file; pass one of those names or a path to an event file"
         )
     if path.is_dir():
+        if is_npy_dir(path):
+            return path
         for candidate in ("edges.csv", "edges.csv.gz"):
             if (path / candidate).exists():
                 return path / candidate
-        raise DataError(f"{path} is a directory without edges.csv; pass the event file itself")
+        raise DataError(f"{path} is a directory without edges.csv or {MANIFEST}; pass the event file "
+                        f"itself or a folder written by `fastopt data synth`")
     return path
 
 
@@ -98,8 +104,10 @@ def load_dataset(name_or_path: Union[str, os.PathLike], *, edge_dim: int = 0, no
 
 
 def load_file(path: Union[str, os.PathLike], cache: bool = True) -> TemporalGraph:
-    """Parse one event file (format detected from its content)."""
+    """Parse one event file (format detected from its content), or map a graph folder."""
     path = Path(path)
+    if is_npy_dir(path):
+        return load_npy_dir(path)
     raw = path.read_bytes()
     if raw[:2] == b"\x1f\x8b":
         try:

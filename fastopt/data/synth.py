@@ -1,23 +1,28 @@
-"""Synthetic event streams fitted to a real one, for scale tests beyond the real files.
+"""Synthetic event streams for scale tests beyond the real files: fitted to a real one
+(:func:`synthesize`), or with the GDELT-like profile of :class:`GdeltProfile` (:func:`gdelt_chunks`,
+generated a chunk at a time for graphs that do not fit in RAM; both share :func:`_repeat_pointers`).
 
-The generator keeps three statistics of the source graph: the activity (degree) distribution
+The fitted generator keeps three statistics of the source graph: the activity (degree) distribution
 of sources and of destinations, the distribution of inter-event times, and the repeat-edge rate
 (the fraction of events whose pair occurred before; a repeat is a source meeting one of its past
 partners again). Node counts scale with the event count so
 that mean degree is preserved, unless ``num_nodes`` is given. Bipartite sources stay bipartite.
 Generation is vectorized in chunks, so tens of millions of events take seconds per million.
+The fitted generator holds the whole stream in RAM; the GDELT-like one holds one chunk and each
+source's last few partners.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Iterator, Optional, Tuple
 
 import numpy as np
 
 from fastopt.data.graph import TemporalGraph
 from fastopt.errors import DataError
 
-__all__ = ["synthesize"]
+__all__ = ["BLOCK_EVENTS", "GdeltProfile", "gdelt_chunks", "synthesize", "synthesize_gdelt"]
 
 _CHUNK = 1 << 22
 
@@ -29,20 +34,31 @@ def _activity(ids: np.ndarray, num_nodes: int, target: int, rng) -> np.ndarray:
     return rng.choice(counts, size=target, replace=True)
 
 
-def _repeat_pointers(src: np.ndarray, repeat: float, rng) -> np.ndarray:
+def _repeat_pointers(src: np.ndarray, repeat: float, rng, *, window: Optional[int] = None,
+                     fixed: int = 0) -> np.ndarray:
     """For each event, the event whose freshly drawn destination it takes: itself, or (with
     probability ``repeat``, when its source has earlier events) a uniformly chosen earlier event of
     the same source, followed to the fresh draw it took. A repeat is a source meeting a past partner
     again, so a node's activity stays what its weight draws; copying any earlier event instead made
-    the counts an urn that rich nodes win (median degree 0, maximum 15x the source's)."""
+    the counts an urn that rich nodes win (median degree 0, maximum 15x the source's).
+
+    Args:
+        src: source of each event, in time order.
+        repeat: probability that an event with an earlier event of its source repeats one.
+        rng: the random generator (two draws per event).
+        window: choose among the source's last ``window`` events only (None: all earlier ones).
+        fixed: the first ``fixed`` events are history carried over from earlier chunks: their
+            destinations are final, they are never repeats themselves.
+    """
     m = src.size
     order = np.argsort(src, kind="stable")  # events grouped by source, in time order
     grouped = src[order]
     starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
     start_of = np.repeat(starts, np.diff(np.r_[starts, m]))
     rank = np.arange(m) - start_of  # occurrence index of each event among its source's
-    earlier = (rng.random(m) * rank).astype(np.int64)  # uniform in [0, rank)
-    repeats = (rng.random(m) < repeat) & (rank > 0)
+    first = 0 if window is None else np.maximum(rank - window, 0)
+    earlier = first + (rng.random(m) * (rank - first)).astype(np.int64)  # uniform in [first, rank)
+    repeats = (rng.random(m) < repeat) & (rank > 0) & (order >= fixed)
     ptr = np.empty(m, dtype=np.int64)
     ptr[order] = np.where(repeats, order[start_of + earlier], order)
     while True:  # pointer jumping: every chain ends at an event that drew its own destination
@@ -97,3 +113,136 @@ def synthesize(like: TemporalGraph, num_events: int, *, num_nodes: Optional[int]
     ts = np.concatenate([[like.ts[0]], like.ts[0] + np.cumsum(rng.choice(gaps, size=num_events - 1))]) \
         if gaps.size else np.full(num_events, like.ts[0])
     return TemporalGraph(src, dst, ts, n, name=f"synth-{like.name}", bipartite=like.bipartite)
+
+
+# Events generated from one random stream: the unit that makes the graph independent of how many
+# events are held in RAM at once (a chunk is a whole number of blocks).
+BLOCK_EVENTS = 1 << 17
+
+
+@dataclass(frozen=True)
+class GdeltProfile:
+    """The degree and repeat profile of a GDELT-like event graph, as explicit parameters.
+
+    GDELT (the Global Database of Events, Language and Tone, as released with TGL) is a dense
+    actor-to-actor stream: about 17 thousand actors, 191 million events, 186-d edge features, a
+    few actors in most events and pairs that meet again and again. This profile reproduces those
+    traits by construction; it is **not fitted to the real GDELT file** (none is at hand), so its
+    percentiles are those its parameters give, not GDELT's. ``fastopt data info`` reports them.
+
+    Attributes:
+        num_nodes: actors (GDELT's TGL release has 16,682).
+        activity_exponent: Zipf exponent of activity: the actor of activity rank ``r`` (from 1)
+            takes part in events with weight ``r ** -activity_exponent``, as a source and, for a
+            freshly drawn partner, as a destination (actors active on both ends, as in GDELT).
+        repeat: probability that an event whose source acted before meets one of that source's
+            last ``window`` partners again instead of drawing a fresh one. The pair repeat rate
+            ``fastopt data info`` measures is then about ``repeat`` times the share of events
+            whose source acted before, plus fresh draws that hit a past partner by chance:
+            little where a source's partners are few against ``num_nodes``, much on long
+            streams over few actors (50 M events over the default 16,682 actors).
+        window: past partners remembered per source (bounds the generator's state to
+            ``num_nodes * window`` ids, whatever the event count).
+        time_span: seconds between the first and the last event (five years).
+        time_step: timestamps are whole multiples of it (GDELT publishes every 15 minutes), so
+            many events share one timestamp; events are spread evenly over the span.
+        edge_dim: width of the edge features (standard normal float32).
+    """
+
+    num_nodes: int = 16_682
+    activity_exponent: float = 1.0
+    repeat: float = 0.9
+    window: int = 16
+    time_span: float = 5 * 365 * 86_400.0
+    time_step: float = 900.0
+    edge_dim: int = 186
+
+    def check(self) -> None:
+        """Refuse parameters outside their range, naming the value, the limit and the flag."""
+        if self.num_nodes < 2:
+            raise DataError(f"num_nodes must be >= 2 (got {self.num_nodes}); pass e.g. --nodes 16682")
+        if not 0.0 <= self.repeat <= 1.0:
+            raise DataError(f"repeat must be in [0, 1] (got {self.repeat}); pass e.g. --repeat 0.9")
+        if not np.isfinite(self.activity_exponent) or self.activity_exponent < 0:
+            raise DataError(f"activity_exponent must be a finite number >= 0 (got "
+                            f"{self.activity_exponent}); pass e.g. --activity-exponent 1.0")
+        if self.window < 1:
+            raise DataError(f"window must be >= 1 (got {self.window}); pass e.g. 16")
+        if self.edge_dim < 0:
+            raise DataError(f"edge_dim must be >= 0 (got {self.edge_dim}); pass 0 for no features")
+        if not (self.time_span >= 0 and self.time_step > 0):
+            raise DataError(f"time_span must be >= 0 and time_step > 0 (got {self.time_span}, "
+                            f"{self.time_step}); keep the defaults (five years, 900 s)")
+
+
+def gdelt_chunks(profile: GdeltProfile, num_events: int, *, seed: int = 0,
+                 chunk_events: int = BLOCK_EVENTS) -> Iterator[Tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                     Optional[np.ndarray]]]:
+    """The events of a GDELT-like graph as consecutive ``(src, dst, ts, edge_feat)`` chunks.
+
+    Events come in blocks of :data:`BLOCK_EVENTS`, block ``b`` drawn from its own random stream
+    ``(seed, b)``; the only state carried between blocks is each source's last ``window``
+    partners. So the graph depends on ``seed`` alone, not on ``chunk_events``, and RAM holds one
+    chunk and that state, whatever ``num_events`` is.
+
+    Args:
+        profile: the degree, repeat, time and feature parameters.
+        num_events: events in all (>= 1).
+        seed: random seed.
+        chunk_events: events per chunk, rounded up to a whole number of blocks.
+    """
+    if num_events < 1:
+        raise DataError(f"num_events must be >= 1 (got {num_events}); pass e.g. --events 1000000")
+    if chunk_events < 1:
+        raise DataError(f"chunk_events must be >= 1 (got {chunk_events}); pass e.g. {BLOCK_EVENTS}")
+    profile.check()
+    n, window = profile.num_nodes, profile.window
+    rank_to_node = np.random.default_rng([seed, 0]).permutation(n)
+    weight = np.empty(n)
+    weight[rank_to_node] = np.arange(1, n + 1, dtype=np.float64) ** -profile.activity_exponent
+    cdf = np.cumsum(weight) / weight.sum()
+    history = np.zeros((n, window), dtype=np.int64)  # each source's last partners, newest last
+    known = np.zeros(n, dtype=np.int64)  # how many of them are set
+    ticks = profile.time_span / profile.time_step
+    per_chunk = -(-chunk_events // BLOCK_EVENTS)
+    blocks = -(-num_events // BLOCK_EVENTS)
+    for first in range(0, blocks, per_chunk):
+        parts = [_gdelt_block(profile, cdf, history, known, b, min(BLOCK_EVENTS, num_events - b * BLOCK_EVENTS),
+                              ticks, num_events, seed) for b in range(first, min(first + per_chunk, blocks))]
+        yield tuple(None if parts[0][k] is None else np.concatenate([p[k] for p in parts]) for k in range(4))
+
+
+def _gdelt_block(profile: GdeltProfile, cdf: np.ndarray, history: np.ndarray, known: np.ndarray,
+                 block: int, size: int, ticks: float, num_events: int, seed: int):
+    """Block ``block`` of :func:`gdelt_chunks` (``size`` events); updates ``history``/``known``."""
+    rng = np.random.default_rng([seed, 1, block])
+    n, window = cdf.size, profile.window
+    src = np.searchsorted(cdf, rng.random(size), side="right").clip(max=n - 1)
+    fresh = np.searchsorted(cdf, rng.random(size), side="right").clip(max=n - 1)
+    fresh = np.where(fresh == src, (fresh + 1) % n, fresh)  # no self-loops
+    # The sources' remembered partners go first, as events whose destinations are final.
+    active = np.unique(src)
+    kept = known[active]
+    past_src = np.repeat(active, kept)
+    column = np.arange(past_src.size) - np.repeat(np.cumsum(kept) - kept, kept) + np.repeat(window - kept, kept)
+    every_src = np.concatenate([past_src, src])
+    every_dst = np.concatenate([history[past_src, column], fresh])
+    every_dst = every_dst[_repeat_pointers(every_src, profile.repeat, rng, window=window, fixed=past_src.size)]
+    # Remember each source's last `window` partners (events grouped by source, in time order).
+    order = np.argsort(every_src, kind="stable")
+    grouped = every_src[order]
+    ends = np.flatnonzero(np.r_[grouped[1:] != grouped[:-1], True])
+    from_end = np.repeat(ends, np.diff(np.r_[-1, ends])) - np.arange(grouped.size)
+    keep = from_end < window
+    history[grouped[keep], window - 1 - from_end[keep]] = every_dst[order][keep]
+    known[active] = np.minimum(kept + np.bincount(src, minlength=n)[active], window)
+    start = block * BLOCK_EVENTS
+    ts = np.floor(np.arange(start, start + size) * (ticks / num_events)) * profile.time_step
+    feat = rng.standard_normal((size, profile.edge_dim), dtype=np.float32) if profile.edge_dim else None
+    return src, every_dst[past_src.size:], ts, feat
+
+
+def synthesize_gdelt(profile: GdeltProfile, num_events: int, *, seed: int = 0) -> TemporalGraph:
+    """A GDELT-like graph held in RAM: the events of :func:`gdelt_chunks` in one chunk."""
+    src, dst, ts, feat = next(gdelt_chunks(profile, num_events, seed=seed, chunk_events=num_events))
+    return TemporalGraph(src, dst, ts, profile.num_nodes, edge_feat=feat, name="synth-gdelt")
