@@ -45,6 +45,7 @@ from __future__ import annotations
 import inspect
 import queue
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional
 
@@ -193,10 +194,15 @@ class Loader:
     def _table(self, feat: Optional[np.ndarray]) -> Optional[torch.Tensor]:
         if feat is None or feat.shape[1] == 0:
             return None
-        table = torch.from_numpy(np.ascontiguousarray(feat))
+        mapped = isinstance(feat, np.memmap)
+        with warnings.catch_warnings():  # a read-only mapped file: tables are only ever read
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+            table = torch.from_numpy(np.ascontiguousarray(feat))
         if self.placement == "device":
             return table.to(self.device)
-        return table.pin_memory() if self.cuda else table
+        # Pinning copies a table into page-locked RAM: a memory-mapped one stays on disk, and
+        # _gather_host reads the rows a batch needs from it into pinned buffers.
+        return table.pin_memory() if self.cuda and not mapped else table
 
     # ------------------------------------------------------------------------ planning
     def plan(self, split: str, epoch: int, mrr_negatives: int = 0) -> Iterator[EventBatch]:

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from fastopt.config import Config
+from fastopt.data import load_dataset
+from fastopt.data.npydir import write_npy_dir
 from fastopt.models import build_model
 from fastopt.models.base import TGNNModel
 from fastopt.runtime import GraphInputs, Loader
@@ -82,6 +84,41 @@ def test_edge_rows_select_the_reference_features_bitwise(small_graph, placement,
                 assert torch.unique(got.edge_rows, dim=0).shape[0] >= got.edge_rows.shape[0] - 1
             else:
                 assert got.edge_rows.shape[0] == slots
+
+
+@pytest.fixture
+def mapped_graph(tmp_path, small_graph):
+    """:func:`small_graph` written as a graph folder and read back memory-mapped."""
+    g = small_graph
+    write_npy_dir(tmp_path / "g", [(g.src, g.dst, g.ts, g.edge_feat)], num_events=g.num_events,
+                  num_nodes=g.num_nodes, edge_dim=g.edge_dim, name="mapped", node_feat=g.node_feat)
+    return load_dataset(tmp_path / "g")
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_host_and_device_placement_read_a_mapped_graph_alike_bitwise(small_graph, mapped_graph, dedup):
+    """Rows gathered on the host from a memory-mapped table are the device path's, bit for bit,
+    and those of the graph in RAM; neither placement copies the mapped tables."""
+    assert isinstance(mapped_graph.edge_feat, np.memmap) and isinstance(mapped_graph.node_feat, np.memmap)
+    fanouts = [3, 2]
+    streams = {}
+    for placement in ("host", "device"):
+        loader = Loader(mapped_graph, NumpySampler(mapped_graph, fanouts, "uniform", seed=5), torch.device("cpu"),
+                        config(cache__placement=placement, sampler__dedup=dedup))
+        assert loader.edge_table.data_ptr() == mapped_graph.edge_feat.ctypes.data  # the mapping itself
+        assert loader.node_table.data_ptr() == mapped_graph.node_feat.ctypes.data
+        with loader.epoch("train", 0) as batches:
+            streams[placement] = [(b.inputs, b.event_feat) for b in batches]
+    oracle = NumpySampler(small_graph, fanouts, "uniform", seed=5)
+    for b, batch in enumerate(Loader(small_graph, None, torch.device("cpu"), config()).plan("train", 0)):
+        want = reference_inputs(small_graph, oracle, batch.roots, batch.times)
+        for placement, stream in streams.items():
+            got, event_feat = stream[b]
+            for name in ("nodes", "times", "node_feat", "edge_feat", "dt", "mask"):
+                for x, y in zip(getattr(got, name), getattr(want, name), strict=True):
+                    assert torch.equal(x, y), (placement, name, b)
+            assert torch.equal(event_feat, torch.from_numpy(small_graph.edge_feat[batch.start:batch.stop]))
+    assert len(streams["host"]) == len(streams["device"]) == b + 1
 
 
 def test_dense_inputs_give_a_model_that_reads_edge_rows_the_same_output(small_graph):
