@@ -201,7 +201,8 @@ class Loader:
         if self.placement == "device":
             return table.to(self.device)
         # Pinning copies a table into page-locked RAM: a memory-mapped one stays on disk, and
-        # _gather_host reads the rows a batch needs from it into pinned buffers.
+        # _gather_host reads the rows a batch needs from it into pinned buffers (SlimCache, when
+        # on, still keeps its own pinned copy of the table).
         return table.pin_memory() if self.cuda and not mapped else table
 
     # ------------------------------------------------------------------------ planning
