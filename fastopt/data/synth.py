@@ -34,6 +34,16 @@ def _activity(ids: np.ndarray, num_nodes: int, target: int, rng) -> np.ndarray:
     return rng.choice(counts, size=target, replace=True)
 
 
+def _grouped(ids: np.ndarray):
+    """Events grouped by ``ids``, each group in time order: the stable sort order, and for each
+    position of the sorted events where its group starts and where it ends (one past its last)."""
+    order = np.argsort(ids, kind="stable")
+    grouped = ids[order]
+    starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
+    sizes = np.diff(np.r_[starts, ids.size])
+    return order, np.repeat(starts, sizes), np.repeat(starts + sizes, sizes)
+
+
 def _repeat_pointers(src: np.ndarray, repeat: float, rng, *, window: Optional[int] = None,
                      fixed: int = 0) -> np.ndarray:
     """For each event, the event whose freshly drawn destination it takes: itself, or (with
@@ -51,10 +61,7 @@ def _repeat_pointers(src: np.ndarray, repeat: float, rng, *, window: Optional[in
             destinations are final, they are never repeats themselves.
     """
     m = src.size
-    order = np.argsort(src, kind="stable")  # events grouped by source, in time order
-    grouped = src[order]
-    starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
-    start_of = np.repeat(starts, np.diff(np.r_[starts, m]))
+    order, start_of, _ = _grouped(src)
     rank = np.arange(m) - start_of  # occurrence index of each event among its source's
     first = 0 if window is None else np.maximum(rank - window, 0)
     earlier = first + (rng.random(m) * (rank - first)).astype(np.int64)  # uniform in [first, rank)
@@ -229,12 +236,10 @@ def _gdelt_block(profile: GdeltProfile, cdf: np.ndarray, history: np.ndarray, kn
     every_dst = np.concatenate([history[past_src, column], fresh])
     every_dst = every_dst[_repeat_pointers(every_src, profile.repeat, rng, window=window, fixed=past_src.size)]
     # Remember each source's last `window` partners (events grouped by source, in time order).
-    order = np.argsort(every_src, kind="stable")
-    grouped = every_src[order]
-    ends = np.flatnonzero(np.r_[grouped[1:] != grouped[:-1], True])
-    from_end = np.repeat(ends, np.diff(np.r_[-1, ends])) - np.arange(grouped.size)
+    order, _, end_of = _grouped(every_src)
+    from_end = end_of - 1 - np.arange(order.size)  # 0 for each source's newest event
     keep = from_end < window
-    history[grouped[keep], window - 1 - from_end[keep]] = every_dst[order][keep]
+    history[every_src[order][keep], window - 1 - from_end[keep]] = every_dst[order][keep]
     known[active] = np.minimum(kept + np.bincount(src, minlength=n)[active], window)
     start = block * BLOCK_EVENTS
     ts = np.floor(np.arange(start, start + size) * (ticks / num_events)) * profile.time_step
