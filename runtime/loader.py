@@ -163,7 +163,10 @@ class Loader:
                 and graph.edge_feat is not None and graph.edge_feat.shape[1] > 0:
             from fastopt.runtime.slimcache import CacheTable, SlimCache
 
-            self.cache = SlimCache({"edge": CacheTable(self.edge_table)}, self.device, config.cache)
+            # A mapped table is read in place: the cache gathers its misses from the file.
+            mapped = isinstance(graph.edge_feat, np.memmap)
+            self.cache = SlimCache({"edge": CacheTable(self.edge_table, mapped=mapped)}, self.device,
+                                   config.cache)
         self.bytes_h2d = 0  # bytes copied host -> device since construction
         self.high_water = HighWater()  # padded unique lengths: only grow (_padded)
 
@@ -201,8 +204,8 @@ class Loader:
         if self.placement == "device":
             return table.to(self.device)
         # Pinning copies a table into page-locked RAM: a memory-mapped one stays on disk, and
-        # _gather_host reads the rows a batch needs from it into pinned buffers (SlimCache, when
-        # on, still keeps its own pinned copy of the table).
+        # _gather_host (or SlimCache, when on) reads the rows a batch needs from it into pinned
+        # buffers.
         return table.pin_memory() if self.cuda and not mapped else table
 
     # ------------------------------------------------------------------------ planning

@@ -337,7 +337,8 @@ class SlimCache:
         return list(self._tables)
 
     def host(self, table: str) -> torch.Tensor:
-        """The host copy of a table (current for read-write tables after :meth:`flush`)."""
+        """The host copy of a table (current for read-write tables after :meth:`flush`); for a
+        table declared ``mapped``, the caller's table itself, in its own dtype."""
         t = self._table(table)
         return t.host.reshape(-1) if t.is_1d else t.host
 

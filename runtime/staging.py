@@ -31,7 +31,9 @@ class HostGatherer:
     """Gathers rows of a host table into a staging buffer with several threads.
 
     ``torch.index_select`` releases the GIL while it copies, so the threads of the pool copy
-    disjoint slices of the output concurrently.
+    disjoint slices of the output concurrently. A table of another dtype than ``out`` (a mapped
+    float32 table served in bfloat16) is converted slice by slice, so no converted copy of the
+    whole table is ever made.
 
     Args:
         threads: worker threads; 1 gathers on the calling thread.
@@ -44,15 +46,17 @@ class HostGatherer:
             if self.threads > 1 else None)
 
     def gather(self, table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> float:
-        """Write ``table[ids]`` into ``out`` (same length as ``ids``); returns the seconds spent."""
+        """Write ``table[ids]`` into ``out`` (same length as ``ids``, converted to its dtype);
+        returns the seconds spent."""
         start = time.perf_counter()
         n = ids.numel()
         parts = min(self.threads, n // _MIN_ROWS_PER_THREAD)
+        copy = _gather_into if table.dtype == out.dtype else _gather_converted
         if self._pool is None or parts < 2:
-            torch.index_select(table, 0, ids, out=out)
+            copy(table, ids, out)
         else:
             bounds = [n * i // parts for i in range(parts + 1)]
-            futures = [self._pool.submit(torch.index_select, table, 0, ids[a:b], out=out[a:b])
+            futures = [self._pool.submit(copy, table, ids[a:b], out[a:b])
                        for a, b in zip(bounds[:-1], bounds[1:])]
             for future in futures:
                 future.result()
@@ -62,6 +66,15 @@ class HostGatherer:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _gather_into(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+    torch.index_select(table, 0, ids, out=out)
+
+
+def _gather_converted(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """``table[ids]`` into ``out`` of another dtype: the rows in the table's dtype, then cast."""
+    out.copy_(torch.index_select(table, 0, ids))
 
 
 class StagingBuffers:

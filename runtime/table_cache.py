@@ -3,9 +3,10 @@
 :class:`~fastopt.runtime.SlimCache` splits one budget between several tables and serialises the
 calls; everything that concerns a single table lives here, in :class:`TableCache`:
 
-* the host copy the cache owns (pinned on a GPU, in the transfer dtype for static tables), the
-  slot array and the id->slot map on the device, and the host-side :class:`SlotDirectory` that
-  decides hits, admissions and evictions;
+* the host copy the cache owns (pinned on a GPU, in the transfer dtype for static tables), or,
+  for a table declared ``mapped``, the caller's table itself, read in place; the slot array and
+  the id->slot map on the device, and the host-side :class:`SlotDirectory` that decides hits,
+  admissions and evictions;
 * staging a lookup: the batch's misses are gathered on the host into a staging buffer and copied
   with the packed index vectors in one upload (:class:`PendingRows`);
 * finishing it on the device: hits read from their slots, misses from the staged rows, dirty
@@ -51,12 +52,18 @@ class CacheTable:
         width: expected row width; a table of another width is rejected (catches a model
             configured for 172-d features being handed 100-d ones).
         dtype: expected dtype, checked the same way.
+        mapped: ``data`` is a memory-mapped file (or any table too large to copy): the cache
+            keeps no host copy of it and gathers each batch's misses straight from it into the
+            (pinned) staging buffers, converting to the transfer dtype per gather. A pinned copy
+            would read the whole file into page-locked RAM, which is what mapping avoids. Only
+            for static tables: a read-write table needs a host copy its rows are written to.
     """
 
     data: torch.Tensor
     writable: bool = False
     width: Optional[int] = None
     dtype: Optional[torch.dtype] = None
+    mapped: bool = False
 
 
 @dataclass
@@ -148,15 +155,21 @@ class TableCache:
             self.dtype = host.dtype
         else:
             self.dtype = transfer
-        # The cache owns its host copy: writes land there, and a GPU needs it pinned.
-        if spec.writable or host.dtype != self.dtype or device.type == "cuda":
-            host = host.to(self.dtype, copy=True)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        self.host = host.contiguous()
+        if spec.mapped:
+            # Read in place: misses are gathered from the mapping into the pinned staging
+            # buffers, so only the rows a batch misses are read from the file.
+            self.host = host
+        else:
+            # The cache owns its host copy: writes land there, and a GPU needs it pinned.
+            if spec.writable or host.dtype != self.dtype or device.type == "cuda":
+                host = host.to(self.dtype, copy=True)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            self.host = host.contiguous()
         self.num_rows = self.host.shape[0]
         self.row_shape = tuple(self.host.shape[1:])
-        self.row_bytes = int(math.prod(self.row_shape)) * self.host.element_size()
+        # bytes on the wire and in the slots: the transfer dtype's, whatever the host table's
+        self.row_bytes = int(math.prod(self.row_shape)) * self.dtype.itemsize
         self.counters = CacheCounters(row_bytes=self.row_bytes)
         self.staging = StagingBuffers(self.row_shape, self.dtype, pinned=device.type == "cuda")
         self.gatherer = HostGatherer(threads)
@@ -370,7 +383,8 @@ class TableCache:
 
 def check_table(name: str, spec: CacheTable) -> None:
     """Refuse a declaration SlimCache cannot serve: not a host tensor of one or two dimensions,
-    or a width or dtype other than the declared one."""
+    a width or dtype other than the declared one, or a mapped table declared writable or not
+    contiguous."""
     data = spec.data
     if not isinstance(data, torch.Tensor):
         raise CacheError(f"table {name!r} must be a torch.Tensor (got {type(data).__name__})")
@@ -387,3 +401,10 @@ def check_table(name: str, spec: CacheTable) -> None:
     if spec.dtype is not None and data.dtype != spec.dtype:
         raise CacheError(f"table {name!r} has dtype {data.dtype} but {spec.dtype} was declared; "
                          f"convert it with .to({spec.dtype})")
+    if spec.mapped and spec.writable:
+        raise CacheError(f"table {name!r} is declared mapped=True and writable=True; a mapped "
+                         f"table is read in place and never written, so pass mapped=False for "
+                         f"read-write state (the cache then keeps a host copy to write to)")
+    if spec.mapped and not data.is_contiguous():
+        raise CacheError(f"table {name!r} is declared mapped=True but is not contiguous (strides "
+                         f"{tuple(data.stride())}); pass the mapping itself, not a strided view")

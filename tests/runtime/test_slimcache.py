@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from fastopt.config import CacheConfig
 from fastopt.errors import CacheError, FastOptError
 from fastopt.runtime import CacheTable, SlimCache, Unique, belady_optimum
+from fastopt.runtime.staging import HostGatherer
 
 POLICIES = ["static", "lru", "future", "auto"]
 # Fractions of the tables' bytes: nothing, a few rows, part, everything.
@@ -453,3 +455,61 @@ def test_bad_input_raises_cache_errors_that_name_value_and_limit():
     with pytest.raises(CacheError, match="plan"):
         SlimCache({"edge": edge}, config=CacheConfig(policy="static")).lookup("edge", torch.tensor([1]))
     assert issubclass(CacheError, FastOptError)
+
+
+def mapped_table(table: torch.Tensor, folder: Path) -> torch.Tensor:
+    """``table`` written to an ``.npy`` file and read back as a read-only memory map."""
+    np.save(folder / "table.npy", table.numpy())
+    arr = np.load(folder / "table.npy", mmap_mode="r")
+    assert isinstance(arr, np.memmap)
+    with warnings.catch_warnings():  # read-only mapping: the cache only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("policy", ["lru", "future"])
+def test_a_mapped_table_is_read_in_place_and_serves_the_rows_of_the_table_in_ram(tmp_path, policy,
+                                                                                  dtype, device):
+    """Misses and evictions over a mapped table give the rows of the same table in RAM bit for
+    bit; on a GPU too, where a table in RAM gets a pinned copy and the mapped one none."""
+    edge, _ = make_tables()
+    stream = make_stream()
+    mapped = mapped_table(edge, tmp_path)
+    cfg = CacheConfig(budget_fraction=0.1, policy=policy, transfer_dtype=dtype, split="proportional")
+    in_ram = SlimCache({"edge": edge}, device, config=cfg)
+    on_file = SlimCache({"edge": CacheTable(mapped, mapped=True)}, device, config=cfg)
+    for cache in (in_ram, on_file):
+        cache.plan([{"edge": b["edge"]} for b in stream])
+    for batch in stream:
+        want, got = in_ram.lookup("edge", batch["edge"]), on_file.lookup("edge", batch["edge"])
+        assert got.rows.dtype == want.rows.dtype == getattr(torch, dtype)
+        assert torch.equal(got.rows, want.rows) and torch.equal(got.index, want.index)
+    c, ref = on_file.counters("edge"), in_ram.counters("edge")
+    assert c.to_dict() == {**ref.to_dict(), "staging_seconds": c.staging_seconds}
+    assert c.misses > c.evictions > 0  # misses and evictions were both exercised
+    # No copy of the table: the cache's host table is the mapping itself, in its own dtype.
+    host = on_file.host("edge")
+    assert host.data_ptr() == mapped.data_ptr() and host.dtype == torch.float32
+    assert on_file.slots("edge").dtype == getattr(torch, dtype)
+
+
+def test_gathers_convert_dtype_slice_by_slice_on_several_threads():
+    table = torch.randn(10_000, 3)
+    ids = torch.randint(0, 10_000, (9_000,))
+    out = torch.empty(9_000, 3, dtype=torch.bfloat16)
+    gatherer = HostGatherer(3)
+    try:
+        gatherer.gather(table, ids, out)
+    finally:
+        gatherer.close()
+    assert torch.equal(out, table[ids].to(torch.bfloat16))
+
+
+def test_a_mapped_table_must_be_static_and_contiguous():
+    edge, _ = make_tables()
+    with pytest.raises(CacheError, match="mapped=True and writable=True.*mapped=False"):
+        SlimCache({"edge": CacheTable(edge, writable=True, mapped=True)})
+    with pytest.raises(CacheError, match=r"not contiguous.*strided view"):
+        SlimCache({"edge": CacheTable(edge.t(), mapped=True)})
