@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import mmap
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Optional
 
 import numpy as np
 
 from fastopt.errors import DataError
 
-__all__ = ["TemporalGraph"]
+__all__ = ["TemporalGraph", "check_finite"]
 
 TRAIN_FRACTION = 0.70
 VAL_FRACTION = 0.15
@@ -25,6 +25,10 @@ class TemporalGraph:
     ``None`` means zero width. The chronological split puts events with time up to the 70%
     quantile of timestamps in train and up to the 85% quantile in validation, so events sharing
     a timestamp never straddle two splits.
+
+    ``features_checked=True`` skips the NaN/infinity scan of the features (their shapes are still
+    checked): for a caller that has just scanned them or holds a record that they were scanned,
+    since the scan reads every byte of a table that may be tens of gigabytes on disk.
     """
 
     src: np.ndarray
@@ -39,8 +43,9 @@ class TemporalGraph:
     eids: np.ndarray = field(init=False)
     train_end: int = field(init=False)
     val_end: int = field(init=False)
+    features_checked: InitVar[bool] = False
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, features_checked: bool = False) -> None:
         self.src = np.ascontiguousarray(self.src, dtype=np.int64)
         self.dst = np.ascontiguousarray(self.dst, dtype=np.int64)
         self.ts = np.ascontiguousarray(self.ts, dtype=np.float64)
@@ -74,8 +79,8 @@ class TemporalGraph:
                 f"timestamps are not sorted: event {i + 1} has ts={self.ts[i + 1]} < ts={self.ts[i]} "
                 f"of event {i}; sort events by time (the loaders do this for you)"
             )
-        self.node_feat = _check_feat("node_feat", self.node_feat, self.num_nodes)
-        self.edge_feat = _check_feat("edge_feat", self.edge_feat, n)
+        self.node_feat = _check_feat("node_feat", self.node_feat, self.num_nodes, not features_checked)
+        self.edge_feat = _check_feat("edge_feat", self.edge_feat, n, not features_checked)
         self.eids = np.arange(n, dtype=np.int64)
         val_time, test_time = np.quantile(self.ts, [TRAIN_FRACTION, TRAIN_FRACTION + VAL_FRACTION])
         self.train_end = int(np.searchsorted(self.ts, val_time, side="right"))
@@ -207,9 +212,10 @@ def _pyg_temporal_data():
 _CHECK_BYTES = 16 << 20
 
 
-def _check_feat(name: str, feat: Optional[np.ndarray], rows: int) -> Optional[np.ndarray]:
+def _check_feat(name: str, feat: Optional[np.ndarray], rows: int, finite: bool = True) -> Optional[np.ndarray]:
     """``feat`` as a C-contiguous float32 table of ``rows`` rows (None when zero wide), checked for
-    NaN and infinity. A memory-mapped table (``np.memmap``) stays mapped, not read into RAM."""
+    NaN and infinity when ``finite``. A memory-mapped table (``np.memmap``) stays mapped, not read
+    into RAM."""
     if feat is None:
         return None
     if not (isinstance(feat, np.memmap) and feat.dtype == np.float32 and feat.flags.c_contiguous):
@@ -221,12 +227,20 @@ def _check_feat(name: str, feat: Optional[np.ndarray], rows: int) -> Optional[np
                         f"{'node' if name == 'node_feat' else 'event'}")
     if feat.shape[1] == 0:
         return None
-    step = max(1, _CHECK_BYTES // (4 * feat.shape[1]))
+    if finite:
+        check_finite(name, feat)
+    return feat
+
+
+def check_finite(name: str, feat: np.ndarray) -> None:
+    """Raise :class:`DataError` if the 2-d table ``feat`` holds a NaN or an infinity, reading it
+    in pieces of about 16 MiB (a mapped table from its file, leaving no pages of it mapped)."""
+    rows = feat.shape[0]
+    step = max(1, _CHECK_BYTES // (feat.itemsize * max(1, feat.shape[1])))
     for lo in range(0, rows, step):
         if not np.isfinite(_rows(feat, lo, min(lo + step, rows))).all():
             raise DataError(f"{name} contains NaN or infinite values (in rows {lo}..{min(lo + step, rows) - 1}); "
                             f"clean the feature columns")
-    return feat
 
 
 def _rows(feat: np.ndarray, lo: int, hi: int) -> np.ndarray:

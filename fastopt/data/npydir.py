@@ -12,7 +12,16 @@ in a moment and its rows stay on disk until a batch gathers them. The writer str
 to the files through ordinary writes, so neither writing nor reading holds all events in RAM.
 
 Unlike an ``.npz`` the folder carries no content hash: hashing tens of gigabytes at every load
-would cost more than the load.
+would cost more than the load. For the same reason the NaN/infinity scan of the features, which
+reads every byte, runs once: the manifest's ``checked`` entry records the size and modification
+time (ns) of each feature file as it was when found finite, by the writer (which scans each chunk
+as it writes it) or by the first load that scanned it. A load whose files match the record skips
+the scan; a file of another size or time is scanned again (and the record renewed when it passes).
+
+A write that lands within the file system's timestamp granularity of the recorded time would
+leave the time unchanged, so a record is made only of times that lie in the past by more than
+:data:`_SETTLED_NS` when the scan starts: the writer sets its files' times back by that much, and a
+load records nothing for a file changed more recently (the next load scans it again).
 """
 
 from __future__ import annotations
@@ -21,12 +30,14 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterable, Optional, Tuple, Union
 
 import numpy as np
 
-from fastopt.data.graph import TemporalGraph
+from fastopt.codegen.cache import atomic_file
+from fastopt.data.graph import TemporalGraph, check_finite
 from fastopt.errors import DataError
 
 __all__ = ["MANIFEST", "is_npy_dir", "load_npy_dir", "write_npy_dir", "npy_dir_bytes"]
@@ -37,6 +48,11 @@ _FORMAT = 1
 _COLUMNS = {"src": np.int64, "dst": np.int64, "ts": np.float64, "edge_feat": np.float32}
 # slack kept free on the disk beyond the files themselves (headers, the manifest, other writers)
 _DISK_SLACK = 64 << 20
+# the feature files: those the NaN/infinity scan reads and the `checked` record covers
+_FEATURES = ("node_feat", "edge_feat")
+# A recorded modification time must be this much older than the scan: file systems stamp times
+# with a granularity (1 s on ext3, 2 s on FAT), and a write within it would not change the time.
+_SETTLED_NS = 2_000_000_000
 
 Chunk = Tuple[np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray]]
 
@@ -95,11 +111,14 @@ def write_npy_dir(out: Union[str, os.PathLike], chunks: Iterable[Chunk], *, num_
                 shape = (num_events, edge_dim) if k == "edge_feat" else (num_events,)
                 np.lib.format.write_array_header_1_0(f, {"descr": np.dtype(columns[k]).str,
                                                          "fortran_order": False, "shape": shape})
-            written = 0
+            written, finite = 0, True
             for chunk in chunks:
                 for k, part in zip(_COLUMNS, chunk):
                     if k in files:
-                        files[k].write(np.ascontiguousarray(part, dtype=columns[k]).data)
+                        part = np.ascontiguousarray(part, dtype=columns[k])
+                        # scanned here, in RAM, so that no load has to read the file to scan it
+                        finite = finite and (k != "edge_feat" or bool(np.isfinite(part).all()))
+                        files[k].write(part.data)
                 written += len(chunk[0])
         finally:
             for f in files.values():
@@ -107,10 +126,17 @@ def write_npy_dir(out: Union[str, os.PathLike], chunks: Iterable[Chunk], *, num_
         if written != num_events:
             raise DataError(f"the chunks held {written:,} events, not the {num_events:,} announced")
         if node_feat is not None:
-            np.save(tmp / "node_feat.npy", np.ascontiguousarray(node_feat, dtype=np.float32))
+            node_feat = np.ascontiguousarray(node_feat, dtype=np.float32)
+            finite = finite and bool(np.isfinite(node_feat).all())
+            np.save(tmp / "node_feat.npy", node_feat)
         manifest = {"format": _FORMAT, "name": name, "num_nodes": int(num_nodes),
                     "num_events": int(num_events), "edge_dim": int(edge_dim),
                     "bipartite": bool(bipartite), "made_by": meta or {}}
+        if finite:  # features with a NaN are left unrecorded: the first load reports them
+            settled = time.time_ns() - _SETTLED_NS
+            for file in _feature_files(tmp):
+                os.utime(file, ns=(file.stat().st_atime_ns, settled))
+            manifest["checked"] = _stamps(tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         os.chmod(tmp, 0o755)
         if out.exists():
@@ -154,6 +180,43 @@ def load_npy_dir(path: Union[str, os.PathLike]) -> TemporalGraph:
         except (OSError, ValueError) as exc:
             raise DataError(f"{path / 'node_feat.npy'} is not a readable .npy file ({exc}); write "
                             f"the folder again") from None
+    _scan_unless_recorded(path, manifest, {"node_feat": node_feat, "edge_feat": arrays.get("edge_feat")})
     return TemporalGraph(arrays["src"], arrays["dst"], arrays["ts"], num_nodes, node_feat=node_feat,
                          edge_feat=arrays.get("edge_feat"), name=str(manifest.get("name", path.name)),
-                         bipartite=bool(manifest.get("bipartite", False)))
+                         bipartite=bool(manifest.get("bipartite", False)), features_checked=True)
+
+
+def _feature_files(path: Path) -> list:
+    return [path / f"{k}.npy" for k in _FEATURES if (path / f"{k}.npy").exists()]
+
+
+def _stamps(path: Path) -> dict:
+    """Size and modification time (ns) of each feature file of the folder ``path``."""
+    out = {}
+    for file in _feature_files(path):
+        st = file.stat()
+        out[file.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return out
+
+
+def _scan_unless_recorded(path: Path, manifest: dict, tables: dict) -> None:
+    """Scan the feature tables for NaN and infinity unless the manifest records that these very
+    files (same sizes and times) were scanned; after a scan that passes, record it when the files'
+    times are settled (see the module's docstring) and the folder is writable."""
+    start = time.time_ns()
+    stamps = _stamps(path)
+    if not stamps or manifest.get("checked") == stamps:
+        return
+    for name, table in tables.items():
+        if table is not None and table.ndim >= 1 and table.size:
+            if table.dtype != np.float32:  # scanned as the graph will hold it (1e300 -> inf)
+                table = np.asarray(table, dtype=np.float32)
+            # a 2-d table as it is: only the mapping itself is read from its file, not a view of it
+            check_finite(name, table if table.ndim == 2 else table.reshape(table.shape[0], -1))
+    if _stamps(path) != stamps or any(s["mtime_ns"] > start - _SETTLED_NS for s in stamps.values()):
+        return  # changed during the scan, or too recently to tell a later change apart
+    try:
+        with atomic_file(path / MANIFEST) as f:
+            f.write((json.dumps({**manifest, "checked": stamps}, indent=1) + "\n").encode())
+    except OSError:
+        pass  # a read-only folder: the next load scans again

@@ -2,6 +2,7 @@
 feature table into RAM."""
 
 import json
+import os
 import subprocess
 import sys
 from collections import namedtuple
@@ -200,3 +201,90 @@ def test_training_from_a_mapped_graph_keeps_the_features_on_disk(tmp_path):
     assert (mapped["table"], ram["table"]) == ("memmap", "ndarray")
     assert mapped["steps"] == 20 and mapped["loss"] == ram["loss"]
     assert ram["growth_kb"] - mapped["growth_kb"] > 0.75 * file_kb, (mapped, ram, file_kb)
+
+
+def counting_scans(monkeypatch) -> list:
+    """Patch the reader of the NaN scan: the returned list gets one entry per piece it reads."""
+    import fastopt.data.graph as graph_module
+
+    reads, read = [], graph_module._rows
+    monkeypatch.setattr(graph_module, "_rows", lambda feat, lo, hi: reads.append((lo, hi)) or read(feat, lo, hi))
+    return reads
+
+
+def age(folder, seconds: float = 60.0) -> None:
+    """Set the feature files' times back, as files written a while ago have them."""
+    for file in folder.glob("*_feat.npy"):
+        t = file.stat().st_mtime_ns - int(seconds * 1e9)
+        os.utime(file, ns=(t, t))
+
+
+def overwrite(file, row: int, col: int, value: float) -> None:
+    """Write one float32 of a 2-d .npy table through an ordinary write (size unchanged)."""
+    table = np.load(file, mmap_mode="r")
+    offset = table.offset + (row * table.shape[1] + col) * 4
+    del table
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        f.write(np.float32(value).tobytes())
+
+
+def test_the_nan_scan_runs_once_per_version_of_the_feature_files(tmp_path, monkeypatch):
+    folder = tmp_path / "g"
+    write_gdelt(folder, GdeltProfile(num_nodes=50, edge_dim=3), 3_000)
+    manifest = json.loads((folder / "graph.json").read_text())
+    stat = (folder / "edge_feat.npy").stat()
+    assert manifest["checked"] == {"edge_feat.npy": {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}}
+    reads = counting_scans(monkeypatch)
+    load_dataset(folder)
+    assert reads == []  # the writer scanned the chunks: no load reads the features to scan them
+    # A folder without the record (written before it existed) is scanned once, then recorded.
+    del manifest["checked"]
+    (folder / "graph.json").write_text(json.dumps(manifest))
+    age(folder)
+    load_dataset(folder)
+    assert reads and reads[-1][1] == 3_000
+    reads.clear()
+    load_dataset(folder)
+    assert reads == []
+    assert sorted(p.name for p in folder.iterdir()) == [  # no temporary file left behind
+        "dst.npy", "edge_feat.npy", "graph.json", "src.npy", "ts.npy"]
+    # A file changed in place (same size, new time) is scanned again; a fresh change is not
+    # recorded, since a second write within the timestamp granularity could keep its time.
+    overwrite(folder / "edge_feat.npy", 5, 0, 1.5)
+    for _ in range(2):
+        load_dataset(folder)
+        assert reads
+        reads.clear()
+    age(folder)
+    load_dataset(folder)
+    reads.clear()
+    load_dataset(folder)
+    assert reads == []
+    overwrite(folder / "edge_feat.npy", 2_222, 2, np.inf)
+    with pytest.raises(DataError, match=r"edge_feat contains NaN or infinite values \(in rows 0\.\.2999\)"):
+        load_dataset(folder)
+
+
+def test_node_features_are_recorded_and_a_nan_written_later_is_found(tmp_path, small_graph, monkeypatch):
+    g = small_graph
+    node_feat = np.random.default_rng(0).standard_normal((g.num_nodes, 4)).astype(np.float32)
+    write_npy_dir(tmp_path / "s", [(g.src, g.dst, g.ts, None)], num_events=g.num_events,
+                  num_nodes=g.num_nodes, edge_dim=0, name="s", node_feat=node_feat)
+    assert set(json.loads((tmp_path / "s" / "graph.json").read_text())["checked"]) == {"node_feat.npy"}
+    reads = counting_scans(monkeypatch)
+    load_npy_dir(tmp_path / "s")
+    assert reads == []
+    overwrite(tmp_path / "s" / "node_feat.npy", 3, 1, np.nan)
+    with pytest.raises(DataError, match="node_feat contains NaN"):
+        load_npy_dir(tmp_path / "s")
+
+
+def test_features_with_a_nan_are_written_unrecorded_and_refused_at_load(tmp_path):
+    chunk = gdelt_chunks(GdeltProfile(num_nodes=50, edge_dim=2), 100)
+    src, dst, ts, feat = (np.concatenate(c) for c in zip(*chunk))
+    feat[40, 0] = np.nan
+    write_npy_dir(tmp_path / "g", [(src, dst, ts, feat)], num_events=100, num_nodes=50, edge_dim=2, name="g")
+    assert "checked" not in json.loads((tmp_path / "g" / "graph.json").read_text())
+    with pytest.raises(DataError, match="edge_feat contains NaN"):
+        load_dataset(tmp_path / "g")
