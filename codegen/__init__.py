@@ -7,6 +7,10 @@ Public surface (stable signatures; the fx passes rewrite onto these):
 - :func:`shared_attention` ``(q, k, v, sq, se, mask=None, indptr=None, *, k_index=None,
   v_index=None, scale=None, dropout_p=0.0, seed=0)`` -> ``(out, shared_out)``: keys and values
   carry a feature block ``se [M, K, S]`` shared by all heads (a factored time encoding)
+- :func:`edge_attention` ``(q, k, v, dst, *, k_index=None, v_index=None, scale=None,
+  dropout_p=0.0, seed=0)`` and :func:`edge_softmax_aggregate` ``(scores, v, dst, num_dst, *,
+  v_index=None, dropout_p=0.0, seed=0)``: attention over an edge list (PyG layers), run by the
+  temporal-attention kernels over the destination-sorted edges
 - :func:`masked_aggregate` ``(x, mask=None, indptr=None, *, index=None, reduce="mean")``
 - :func:`time_encode` ``(dt, w, b)``
 - :func:`linear` ``(x, w, bias=None, residual=None, *, bias_grad="torch")``: projections, by
@@ -34,6 +38,7 @@ Layering: imports nothing of fastopt but :mod:`fastopt.config` and :mod:`fastopt
 from fastopt.codegen import reference
 from fastopt.codegen.families.column_sum import column_sum
 from fastopt.codegen.families.masked_aggregate import masked_aggregate
+from fastopt.codegen.families.edge_attention import edge_attention, edge_softmax_aggregate
 from fastopt.codegen.families.matmul import linear
 from fastopt.codegen.families.temporal_attention import (dropout_seed, shared_attention,
                                                          temporal_attention)
@@ -45,6 +50,8 @@ __all__ = [
     "temporal_attention",
     "dropout_seed",
     "shared_attention",
+    "edge_attention",
+    "edge_softmax_aggregate",
     "masked_aggregate",
     "time_encode",
     "linear",

@@ -12,6 +12,7 @@ same generator ``tl.randint`` runs inside the kernels, so a seed gives bit-ident
 every backend.
 """
 
+from fastopt.codegen.families.edge_attention import reference_edge_attention as edge_attention
 from fastopt.codegen.families.masked_aggregate import reference as masked_aggregate
 from fastopt.codegen.families.masked_aggregate import (
     reference_backward as masked_aggregate_backward,
@@ -37,6 +38,7 @@ __all__ = [
     "shared_attention",
     "shared_attention_forward",
     "shared_attention_backward",
+    "edge_attention",
     "masked_aggregate",
     "masked_aggregate_backward",
     "time_encode",

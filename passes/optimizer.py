@@ -7,6 +7,9 @@ rewritten parts swapped in:
 * if ``model`` traces, its graphs (one per train/eval mode) go through the pipeline and the result
   is an instance of a subclass of ``model``'s class whose ``forward`` runs the rewritten graph;
   every other method and attribute is the user's;
+* a module of a class that a module-type rule recognizes (:mod:`fastopt.passes.modules`: PyG's
+  attention layers and ``TGNMemory``) is replaced by the rule's module, sharing its parameters
+  and buffers, before any tracing;
 * otherwise each child is optimized the same way, and ``model`` is shallow-copied with the
   changed children swapped in (the memory updater of a TGN stays eager while its attention
   layers are fused). ``model`` itself is never modified.
@@ -22,6 +25,7 @@ from torch import fx, nn
 from fastopt.config import patch
 from fastopt.errors import TraceError
 from fastopt.passes.manager import PassManager
+from fastopt.passes.modules import MODULE_REWRITES, rewrite_module
 from fastopt.passes.pipeline import default_pipeline
 from fastopt.passes.report import LeftAlone, RewriteReport, Verification
 from fastopt.passes.sites import site_shapes
@@ -144,6 +148,9 @@ def _optimize(module: nn.Module, path: str, report: RewriteReport, make_pipeline
               options: dict) -> nn.Module:
     if is_builtin_leaf(module):
         return module
+    replaced = rewrite_module(module, path, report, options["module_rules"])
+    if replaced is not None:
+        return replaced
     result = _optimize_traced(module, path, report, make_pipeline, options)
     if result is not None:
         return result
@@ -175,7 +182,8 @@ def optimize_module(model: nn.Module, make_pipeline=default_pipeline,
         ``(optimized, report)``; ``optimized is model`` when nothing was rewritten.
     """
     report = RewriteReport(model=type(model).__name__, site_shapes=site_shapes)
-    options = {"verify": verify, "changes": changes or {}, "report": report}
+    options = {"verify": verify, "changes": changes or {}, "report": report,
+               "module_rules": tuple(rule() for rule in MODULE_REWRITES)}
     optimized = _optimize(model, "", report, make_pipeline, options)
     if not report.passes:
         report.passes = make_pipeline().names
@@ -187,6 +195,10 @@ def optimize_module(model: nn.Module, make_pipeline=default_pipeline,
         return model, report
     rewritten = [(path, m) for path, m in optimized.named_modules()
                  if path and isinstance(m, OptimizedForward)]
+    if not rewritten and not isinstance(optimized, OptimizedForward):
+        # only module-type rewrites: their edge counts change every call and they read sizes
+        # back to the host, so there is nothing for CUDA graphs to capture
+        return optimized, report
     verifying = [m for m in optimized.modules() if isinstance(m, OptimizedForward)] if verify else []
     report.graphs = attach_graph_runners(optimized, rewritten, options["changes"], verifying)
     return optimized, report

@@ -34,6 +34,8 @@ class Rewrite:
             return ("none (two matrix products; widths seen on the first split call)"
                     if shape is None else f"none (two matrix products over input widths "
                                           f"{shape[0]} without and {shape[1]} with gradient)")
+        if self.op == "tensor_message_store":
+            return "none (the message store and memory update on tensors; no kernel of its own)"
         if shape == ():
             return ("none: the first call ran the code it replaces (the mode in config.passes, "
                     "tensors the fused operator does not take, or a device without generated "
@@ -141,8 +143,7 @@ class RewriteReport:
         if self.rewrites:
             lines.append("  rewrites:")
             for r in self.rewrites:
-                home = "passes.split_linear_lowering" if r.op in ("linear_over_parts",
-                                                                  "linears_over_parts") else "codegen"
+                home = _HOMES.get(r.op, "codegen")
                 lines.append(f"    {r.where}  {r.pattern} -> fastopt.{home}.{r.op}")
                 lines.append(f"        kernel: {r.kernel_config(self.site_shapes(r.site))}")
         if self.left_alone:
@@ -158,6 +159,12 @@ class RewriteReport:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+# where the report says an operator lives, when not in fastopt.codegen
+_HOMES = {"linear_over_parts": "passes.split_linear_lowering",
+          "linears_over_parts": "passes.split_linear_lowering",
+          "tensor_message_store": "passes.pyg_memory"}
 
 
 def _cuda_available() -> bool:

@@ -1,0 +1,191 @@
+"""Attention over an edge list: edge softmax per destination and weighted sum, fused.
+
+Graph layers written against an edge list (``edge_index [2, E]``: source ``src[e]``,
+destination ``dst[e]``) attend over each destination's incoming edges. These operators bring the
+edges to the neighbor layout of :func:`~fastopt.codegen.temporal_attention` and run its kernels:
+the edges are sorted by destination (stable, so each row keeps the edges' order), a CSR
+``indptr [N + 1]`` counts them per destination, and a slot index ``[N, K]`` names the edge (or
+the table row) of each slot, ``K`` being the largest in-degree. Keys and values are never
+expanded to the slot layout: the kernels read them by index.
+
+- :func:`edge_attention`: scores ``q[dst] . k_e * scale`` (dot products);
+- :func:`edge_softmax_aggregate`: scores given per edge (GAT's LeakyReLU of summed terms), run
+  through the same kernels as keys holding the score in their first feature, against one-hot
+  queries (``1 * s + 0 * ... = s`` exactly, in every dtype).
+
+Destinations without an incoming edge get zeros (the sum over no edge). Reading ``K`` back is
+one host synchronization per call. A degree distribution so skewed that the padded slots would
+outnumber the edges :data:`PADDING_LIMIT` times runs :func:`reference_edge_attention` instead
+(segment softmax and ``index_add`` over the edges themselves), which gives the same result.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fastopt.codegen import checks
+from fastopt.codegen.families.temporal_attention import temporal_attention
+from fastopt.codegen.layout import acc_dtype
+from fastopt.errors import KernelError
+
+__all__ = ["edge_attention", "edge_softmax_aggregate", "edge_slots", "reference_edge_attention",
+           "PADDING_LIMIT"]
+
+PADDING_LIMIT = 4
+"""Padded slots ``N * K`` allowed per edge (plus one per destination) before the segment path."""
+
+
+def edge_slots(dst: Tensor, num_dst: int) -> Tuple[Tensor, Tensor]:
+    """``(indptr [N + 1], slot_edge [N, K])`` of the edges sorted by destination.
+
+    ``slot_edge[n, j]`` is the id of destination ``n``'s ``j``-th incoming edge (in edge order)
+    for ``j < indptr[n + 1] - indptr[n]`` and 0 past it; ``K = max(1, largest in-degree)``.
+    """
+    device = dst.device
+    edges = dst.numel()
+    order_dtype = torch.int32 if num_dst < 2**31 else torch.int64
+    keys, perm = torch.sort(dst.to(order_dtype), stable=True)
+    indptr = torch.zeros(num_dst + 1, dtype=torch.int64, device=device)
+    if num_dst:
+        torch.searchsorted(keys, torch.arange(num_dst, device=device, dtype=order_dtype),
+                           right=True, out=indptr[1:])
+    counts = indptr[1:] - indptr[:-1]
+    slots = max(1, int(counts.max())) if num_dst and edges else 1
+    pos = indptr[:-1, None] + torch.arange(slots, device=device)
+    valid = torch.arange(slots, device=device)[None, :] < counts[:, None]
+    slot_edge = torch.where(valid, perm[pos.clamp(max=max(edges - 1, 0))] if edges else
+                            torch.zeros_like(pos), 0)
+    return indptr, slot_edge
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, k_index: Optional[Tensor],
+           v_index: Optional[Tensor]) -> int:
+    """Validate the edge-list arguments; returns the number of edges."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("dst", dst)):
+        checks.is_tensor(name, t)
+    checks.has_ndim("q", q, 3, "[N, H, d]")
+    checks.has_ndim("dst", dst, 1, "[E], the destination of each edge")
+    if dst.dtype not in checks.INDEX_DTYPES:
+        raise KernelError(f"dst has dtype {dst.dtype}; supported: int32, int64. Use dst.long()")
+    checks.same_device(q, k=k, v=v, dst=dst, k_index=k_index, v_index=v_index)
+    edges = dst.numel()
+    for name, t, index in (("k", k, k_index), ("v", v, v_index)):
+        if index is None:
+            if t.shape[0] != edges:
+                raise KernelError(f"{name} has {t.shape[0]} rows but there are {edges} edges; pass "
+                                  f"one row per edge, or a table with {name}_index [E]")
+        else:
+            checks.has_ndim(f"{name}_index", index, 1, "[E], the table row of each edge")
+            if index.numel() != edges:
+                raise KernelError(f"{name}_index has {index.numel()} entries but there are {edges} "
+                                  f"edges; pass one table row per edge")
+    if checks.values_checked() and edges:
+        low, high = int(dst.min()), int(dst.max())
+        if low < 0 or high >= q.shape[0]:
+            bad = low if low < 0 else high
+            raise KernelError(f"dst holds {bad}, outside the destinations [0, {q.shape[0]}); "
+                              f"q needs one row per destination node")
+    return edges
+
+
+def _padded(edges: int, rows: int, slot_edge: Tensor) -> bool:
+    return rows * slot_edge.shape[1] <= PADDING_LIMIT * (edges + rows)
+
+
+def edge_attention(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, *,
+                   k_index: Optional[Tensor] = None, v_index: Optional[Tensor] = None,
+                   scale: Optional[float] = None, dropout_p: float = 0.0,
+                   seed: Union[int, Tensor] = 0) -> Tensor:
+    """Per destination ``n``: ``sum_e softmax_e(q[n] . k_e * scale) v_e`` over edges into ``n``.
+
+    Args:
+        q: Queries ``[N, H, d]``, one per destination node.
+        k: Keys, one per edge ``[E, H, d]``, or a table ``[U, H, d]`` read through ``k_index``.
+        v: Values, as ``k`` (through ``v_index``).
+        dst: Destination of each edge ``[E]`` (int32/int64, in ``[0, N)``).
+        k_index: Table row of each edge's key ``[E]`` (e.g. its source node).
+        v_index: Table row of each edge's value ``[E]``.
+        scale: Score scale; default ``1 / sqrt(d)``.
+        dropout_p: Dropout of the attention weights (kept ones scaled by ``1 / (1 - p)``).
+        seed: Philox key of the dropout draws (see :func:`~fastopt.codegen.temporal_attention`).
+
+    Returns:
+        ``[N, H, d]``; destinations without an incoming edge are zeros.
+
+    Raises:
+        KernelError: on shapes, dtypes, devices or index values that do not fit.
+    """
+    edges = _check(q, k, v, dst, k_index, v_index)
+    rows = q.shape[0]
+    indptr, slot_edge = edge_slots(dst, rows)
+    if not _padded(edges, rows, slot_edge):
+        return reference_edge_attention(q, k, v, dst, k_index=k_index, v_index=v_index,
+                                        scale=scale, dropout_p=dropout_p, seed=seed)
+    k_slots = slot_edge if k_index is None else k_index[slot_edge]
+    v_slots = slot_edge if v_index is None else v_index[slot_edge]
+    return temporal_attention(q, k, v, indptr=indptr, k_index=k_slots, v_index=v_slots,
+                              scale=scale, dropout_p=dropout_p, seed=seed)
+
+
+def edge_softmax_aggregate(scores: Tensor, v: Tensor, dst: Tensor, num_dst: int, *,
+                           v_index: Optional[Tensor] = None, dropout_p: float = 0.0,
+                           seed: Union[int, Tensor] = 0) -> Tensor:
+    """Per destination ``n``: ``sum_e softmax_e(scores[e]) v_e`` over edges into ``n``.
+
+    Args:
+        scores: Attention logits ``[E, H]``, one per edge and head.
+        v: Values ``[E, H, d]``, or a table ``[U, H, d]`` read through ``v_index``.
+        dst: Destination of each edge ``[E]``.
+        num_dst: Destination nodes ``N``.
+        v_index: Table row of each edge's value ``[E]`` (e.g. its source node).
+        dropout_p, seed: As in :func:`edge_attention`.
+
+    Returns:
+        ``[N, H, d]``; destinations without an incoming edge are zeros.
+    """
+    checks.is_tensor("scores", scores)
+    checks.is_tensor("v", v)
+    checks.has_ndim("scores", scores, 2, "[E, H], one logit per edge and head")
+    if v.dim() != 3 or v.shape[1] != scores.shape[1]:
+        raise KernelError(f"v has shape {tuple(v.shape)} but scores have {scores.shape[1]} heads; "
+                          f"pass values [E or U, H={scores.shape[1]}, d]")
+    if isinstance(num_dst, bool) or not isinstance(num_dst, int) or num_dst < 0:
+        raise KernelError(f"num_dst must be an int >= 0 (got {num_dst!r}); pass the number of "
+                          f"destination nodes")
+    dim = v.shape[-1]
+    keys = F.pad(scores.unsqueeze(-1), (0, dim - 1))
+    query = torch.zeros(num_dst, scores.shape[1], dim, dtype=scores.dtype, device=scores.device)
+    query[..., 0] = 1.0
+    return edge_attention(query, keys.to(v.dtype), v, dst, v_index=v_index, scale=1.0,
+                          dropout_p=dropout_p, seed=seed)
+
+
+def reference_edge_attention(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, *,
+                             k_index: Optional[Tensor] = None, v_index: Optional[Tensor] = None,
+                             scale: Optional[float] = None, dropout_p: float = 0.0,
+                             seed: Union[int, Tensor] = 0) -> Tensor:
+    """:func:`edge_attention` over the edges themselves: segment max, ``exp``, ``index_add``.
+
+    The path of very skewed degrees and the oracle of the tests. Dropout, where active, draws
+    with torch's generator (equal in distribution to the kernels', not draw for draw).
+    """
+    cdt = acc_dtype(q.dtype)
+    rows, heads, dim = q.shape
+    index = dst.long()
+    kd = (k if k_index is None else k[k_index.long()]).to(cdt)
+    vd = (v if v_index is None else v[v_index.long()]).to(cdt)
+    scores = (q.to(cdt)[index] * kd).sum(-1) * (1.0 / math.sqrt(dim) if scale is None else scale)
+    top = scores.new_full((rows, heads), float("-inf")).scatter_reduce(
+        0, index[:, None].expand_as(scores), scores.detach(), "amax", include_self=True)
+    e = torch.exp(scores - top[index])
+    total = e.new_zeros((rows, heads)).index_add(0, index, e)
+    p = e / total[index]
+    if dropout_p > 0.0:
+        p = F.dropout(p, dropout_p)
+    out = vd.new_zeros((rows, heads, dim)).index_add(0, index, p[..., None] * vd)
+    return out.to(q.dtype)

@@ -1,0 +1,308 @@
+"""``fuse_pyg_transformer_conv``, ``fuse_pyg_gat_conv``, ``fuse_pyg_gatv2_conv``: PyG's attention
+layers -> edge softmax and aggregation fused over the destination-sorted edges.
+
+PyG's ``MessagePassing`` layers cannot be traced with an ``edge_index``; these module-type rules
+(:mod:`fastopt.passes.modules`) replace ``torch_geometric.nn.TransformerConv``, ``GATConv`` and
+``GATv2Conv`` by the same module (parameters, buffers, ``state_dict`` keys) whose forward runs
+the projections as the layer does and the per-edge work on fastopt's operators:
+
+- ``TransformerConv``: scores ``q_i . (k_j + e_ij) / sqrt(C)``, values ``v_j + e_ij`` ->
+  :func:`fastopt.codegen.edge_attention` (keys and values read by source node without edge
+  features, per edge with them); heads, concat or mean, ``beta``, root weight, bias, dropout;
+- ``GATConv`` / ``GATv2Conv``: the LeakyReLU logits per edge as the layer computes them (self
+  loops removed and added as it does), then softmax and sum ->
+  :func:`fastopt.codegen.edge_softmax_aggregate` (values read by source node); heads, concat or
+  mean, edge features, residual, bias, shared weights (v2), dropout.
+
+Left alone, with the reason in the report: an aggregation other than a sum, ``flow`` other
+than ``"source_to_target"``, a subclass. Calls the replacement does not take run the layer's own
+forward: ``return_attention_weights``, a ``SparseTensor`` or sparse ``edge_index``, a ``size``,
+bipartite input without destination features, registered propagate/message hooks, explain mode,
+decomposed layers, edge features a layer would ignore or reject. Attention dropout in training
+runs inside the kernel (equal in distribution to the layer's, not draw for draw).
+
+Without ``torch_geometric`` the rules recognize nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fastopt import codegen
+from fastopt.passes.module_rewrite import ModuleRewrite, shared_copy
+
+__all__ = ["FuseTransformerConv", "FuseGatConv", "FuseGatv2Conv", "pyg_conv_classes"]
+
+
+@functools.lru_cache(maxsize=None)
+def pyg_conv_classes() -> dict:
+    """``{"TransformerConv": cls, "GATConv": cls, "GATv2Conv": cls}``, or ``{}`` without PyG."""
+    try:
+        from torch_geometric.nn import GATConv, GATv2Conv, TransformerConv
+    except ImportError:
+        return {}
+    return {"TransformerConv": TransformerConv, "GATConv": GATConv, "GATv2Conv": GATv2Conv}
+
+
+def _hook_dicts(module: nn.Module) -> Tuple[str, ...]:
+    return tuple(k for k, v in vars(module).items()
+                 if k.startswith("_") and k.endswith("_hooks") and "forward" in k
+                 and isinstance(v, dict) and k not in ("_forward_hooks", "_forward_pre_hooks"))
+
+
+def _plain_call(module: nn.Module, edge_index, x) -> bool:
+    """Whether a call can run fused: a dense ``[2, E]`` edge list, dense 2-d node features, no
+    propagate/message hooks, no explain mode, no decomposed layers."""
+    if not (isinstance(edge_index, Tensor) and edge_index.layout == torch.strided
+            and edge_index.dim() == 2 and edge_index.shape[0] == 2
+            and not edge_index.is_floating_point()):
+        return False
+    xs = x if isinstance(x, (tuple, list)) else (x,)
+    if not (1 <= len(xs) <= 2 and all(isinstance(t, Tensor) and t.dim() == 2
+                                      and t.layout == torch.strided for t in xs)):
+        return False
+    if getattr(module, "explain", False) or getattr(module, "decomposed_layers", 1) > 1:
+        return False
+    return not any(getattr(module, name) for name in _hook_dicts(module))
+
+
+def _dropout(module: nn.Module, like: Tensor) -> Tuple[float, object]:
+    p = float(module.dropout) if module.training else 0.0
+    return (p, codegen.dropout_seed(like)) if p > 0.0 else (0.0, 0)
+
+
+def _heads_out(module: nn.Module, out: Tensor) -> Tensor:
+    """``[N, H, C]`` -> concatenated ``[N, H * C]`` or averaged ``[N, C]`` heads."""
+    return out.reshape(out.shape[0], -1) if module.concat else out.mean(dim=1)
+
+
+def _gat_output(layer: nn.Module, logits: Tensor, values: Tensor, src: Tensor, dst: Tensor,
+                num_dst: int, res: Optional[Tensor]) -> Tensor:
+    """GAT's softmax over each destination's edges and weighted sum of the source rows
+    ``values``, then heads, residual and bias."""
+    p, seed = _dropout(layer, values)
+    out = codegen.edge_softmax_aggregate(logits, values, dst, num_dst, v_index=src,
+                                         dropout_p=p, seed=seed)
+    out = _heads_out(layer, out)
+    if res is not None:
+        out = out + res
+    if layer.bias is not None:
+        out = out + layer.bias
+    return out
+
+
+def _self_loops(module: nn.Module, edge_index: Tensor, edge_attr: Optional[Tensor],
+                num_nodes: int) -> Tuple[Tensor, Optional[Tensor]]:
+    from torch_geometric.utils import add_self_loops, remove_self_loops
+
+    edge_index, edge_attr = remove_self_loops(edge_index, edge_attr)
+    return add_self_loops(edge_index, edge_attr, fill_value=module.fill_value, num_nodes=num_nodes)
+
+
+class _PygConvRule(ModuleRewrite):
+    """What the three layer rules share: class lookup and the module-level conditions."""
+
+    layer = ""
+    op = "edge_softmax_aggregate"
+
+    def classes(self) -> Tuple[type, ...]:
+        cls = pyg_conv_classes().get(self.layer)
+        return (cls,) if cls is not None else ()
+
+    def unsupported(self, module: nn.Module) -> Optional[str]:
+        aggr = getattr(module, "aggr", None)
+        if aggr not in ("add", "sum"):
+            return f"aggr={aggr!r}: the fused layer sums messages (aggr='add' or 'sum' only)"
+        if getattr(module, "flow", "source_to_target") != "source_to_target":
+            return (f"flow={module.flow!r}: the fused layer reads edge_index as (source, "
+                    f"destination) (flow='source_to_target' only)")
+        if getattr(module, "node_dim", 0) not in (0, -2):
+            return f"node_dim={module.node_dim}: the fused layer keeps nodes in dimension 0"
+        return None
+
+    def describe(self, module: nn.Module) -> str:
+        parts = [f"heads={module.heads}", "concat" if module.concat else "mean"]
+        if getattr(module, "lin_edge", None) is not None:
+            parts.append("edge_attr")
+        parts += self._options(module)
+        return f"pyg.{self.layer}[{','.join(parts)}]"
+
+    def _options(self, module: nn.Module) -> list:
+        """Options shown in the report besides heads, concat and edge features (GAT's here)."""
+        out = ["self_loops"] if module.add_self_loops else []
+        if getattr(module, "share_weights", False):
+            out.append("share_weights")
+        if getattr(module, "res", None) is not None:
+            out.append("residual")
+        if module.dropout:
+            out.append(f"dropout={module.dropout}")
+        return out
+
+    def build(self, module: nn.Module) -> nn.Module:
+        return shared_copy(module, _fused_class(self.mixin, type(module)))
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_class(mixin: type, cls: type) -> type:
+    return type(f"Fused{cls.__name__}", (mixin, cls), {"__module__": __name__})
+
+
+# ----------------------------------------------------------------------------------------------
+# TransformerConv
+# ----------------------------------------------------------------------------------------------
+
+
+class _FusedTransformerConv:
+    """``TransformerConv.forward`` with the per-edge attention fused (see the module docstring)."""
+
+    def forward(self, x, edge_index, edge_attr=None, return_attention_weights=None):
+        if (return_attention_weights is not None or not _plain_call(self, edge_index, x)
+                or (edge_attr is None) != (self.lin_edge is None)):
+            return super().forward(x, edge_index, edge_attr, return_attention_weights)
+        return transformer_conv(self, x, edge_index, edge_attr)
+
+
+def transformer_conv(layer: nn.Module, x, edge_index: Tensor, edge_attr: Optional[Tensor]) -> Tensor:
+    """``TransformerConv`` ``layer`` on a dense edge list, attention by ``edge_attention``."""
+    heads, channels = layer.heads, layer.out_channels
+    x_src, x_dst = (x, x) if isinstance(x, Tensor) else x
+    query = layer.lin_query(x_dst).view(-1, heads, channels)
+    key = layer.lin_key(x_src).view(-1, heads, channels)
+    value = layer.lin_value(x_src).view(-1, heads, channels)
+    src, dst = edge_index[0], edge_index[1]
+    p, seed = _dropout(layer, query)
+    scale = 1.0 / math.sqrt(channels)
+    if layer.lin_edge is not None:
+        edge = layer.lin_edge(edge_attr).view(-1, heads, channels)
+        out = codegen.edge_attention(query, key[src] + edge, value[src] + edge, dst, scale=scale,
+                                     dropout_p=p, seed=seed)
+    else:
+        out = codegen.edge_attention(query, key, value, dst, k_index=src, v_index=src,
+                                     scale=scale, dropout_p=p, seed=seed)
+    out = _heads_out(layer, out)
+    if layer.root_weight:
+        skip = layer.lin_skip(x_dst)
+        if layer.lin_beta is not None:
+            gate = layer.lin_beta(torch.cat([out, skip, out - skip], dim=-1)).sigmoid()
+            out = gate * skip + (1 - gate) * out
+        else:
+            out = out + skip
+    return out
+
+
+class FuseTransformerConv(_PygConvRule):
+    """``torch_geometric.nn.TransformerConv`` -> ``fastopt.codegen.edge_attention``."""
+
+    name = "fuse_pyg_transformer_conv"
+    layer = "TransformerConv"
+    op = "edge_attention"
+    mixin = _FusedTransformerConv
+
+    def _options(self, module: nn.Module) -> list:
+        out = []
+        if module.root_weight:
+            out.append("beta" if module.lin_beta is not None else "root_weight")
+        if module.dropout:
+            out.append(f"dropout={module.dropout}")
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# GATConv
+# ----------------------------------------------------------------------------------------------
+
+
+class _FusedGatConv:
+    """``GATConv.forward`` with the edge softmax and aggregation fused."""
+
+    def forward(self, x, edge_index, edge_attr=None, size=None, return_attention_weights=None):
+        if (return_attention_weights is not None or size is not None
+                or not _plain_call(self, edge_index, x)):
+            return super().forward(x, edge_index, edge_attr, size, return_attention_weights)
+        return gat_conv(self, x, edge_index, edge_attr)
+
+
+def gat_conv(layer: nn.Module, x, edge_index: Tensor, edge_attr: Optional[Tensor]) -> Tensor:
+    """``GATConv`` ``layer`` on a dense edge list, softmax and sum by ``edge_softmax_aggregate``."""
+    heads, channels = layer.heads, layer.out_channels
+    res_lin = getattr(layer, "res", None)
+    x_src, x_dst = (x, x) if isinstance(x, Tensor) else x
+    res = res_lin(x_dst) if res_lin is not None else None
+    if layer.lin is not None:
+        h_src = layer.lin(x_src).view(-1, heads, channels)
+        h_dst = h_src if x_dst is x_src else layer.lin(x_dst).view(-1, heads, channels)
+    else:
+        h_src = layer.lin_src(x_src).view(-1, heads, channels)
+        h_dst = layer.lin_dst(x_dst).view(-1, heads, channels)
+    a_src = (h_src * layer.att_src).sum(dim=-1)
+    a_dst = (h_dst * layer.att_dst).sum(dim=-1)
+    if layer.add_self_loops:
+        edge_index, edge_attr = _self_loops(layer, edge_index, edge_attr,
+                                            min(h_src.size(0), h_dst.size(0)))
+    src, dst = edge_index[0], edge_index[1]
+    logits = a_src[src] + a_dst[dst]
+    if edge_attr is not None and layer.lin_edge is not None:
+        attr = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr
+        edge = layer.lin_edge(attr).view(-1, heads, channels)
+        logits = logits + (edge * layer.att_edge).sum(dim=-1)
+    logits = F.leaky_relu(logits, layer.negative_slope)
+    return _gat_output(layer, logits, h_src, src, dst, h_dst.size(0), res)
+
+
+class FuseGatConv(_PygConvRule):
+    """``torch_geometric.nn.GATConv`` -> ``fastopt.codegen.edge_softmax_aggregate``."""
+
+    name = "fuse_pyg_gat_conv"
+    layer = "GATConv"
+    mixin = _FusedGatConv
+
+
+# ----------------------------------------------------------------------------------------------
+# GATv2Conv
+# ----------------------------------------------------------------------------------------------
+
+
+class _FusedGatv2Conv:
+    """``GATv2Conv.forward`` with the edge softmax and aggregation fused."""
+
+    def forward(self, x, edge_index, edge_attr=None, return_attention_weights=None):
+        if (return_attention_weights is not None or not _plain_call(self, edge_index, x)
+                or (edge_attr is not None and self.lin_edge is None)):
+            return super().forward(x, edge_index, edge_attr, return_attention_weights)
+        return gatv2_conv(self, x, edge_index, edge_attr)
+
+
+def gatv2_conv(layer: nn.Module, x, edge_index: Tensor, edge_attr: Optional[Tensor]) -> Tensor:
+    """``GATv2Conv`` ``layer`` on a dense edge list, softmax and sum by ``edge_softmax_aggregate``."""
+    heads, channels = layer.heads, layer.out_channels
+    res_lin = getattr(layer, "res", None)
+    if isinstance(x, Tensor):
+        res = res_lin(x) if res_lin is not None else None
+        h_l = layer.lin_l(x).view(-1, heads, channels)
+        h_r = h_l if layer.share_weights else layer.lin_r(x).view(-1, heads, channels)
+    else:
+        res = res_lin(x[1]) if res_lin is not None else None
+        h_l = layer.lin_l(x[0]).view(-1, heads, channels)
+        h_r = layer.lin_r(x[1]).view(-1, heads, channels)
+    if layer.add_self_loops:
+        edge_index, edge_attr = _self_loops(layer, edge_index, edge_attr,
+                                            min(h_l.size(0), h_r.size(0)))
+    src, dst = edge_index[0], edge_index[1]
+    pair = h_r[dst] + h_l[src]
+    if edge_attr is not None:
+        attr = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr
+        pair = pair + layer.lin_edge(attr).view(-1, heads, channels)
+    logits = (F.leaky_relu(pair, layer.negative_slope) * layer.att).sum(dim=-1)
+    return _gat_output(layer, logits, h_l, src, dst, h_r.size(0), res)
+
+
+class FuseGatv2Conv(_PygConvRule):
+    """``torch_geometric.nn.GATv2Conv`` -> ``fastopt.codegen.edge_softmax_aggregate``."""
+
+    name, layer, mixin = "fuse_pyg_gatv2_conv", "GATv2Conv", _FusedGatv2Conv

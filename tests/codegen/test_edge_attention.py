@@ -1,0 +1,120 @@
+"""Attention over an edge list (``edge_attention``, ``edge_softmax_aggregate``): the generated
+kernels over destination-sorted edges against the segment reference, on graphs with nodes
+without incoming edges, multi-edges and self-loops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastopt.codegen as cg
+from fastopt.codegen.families import edge_attention as family
+from fastopt.errors import KernelError
+
+
+def _graph(nodes=9, edges=40, seed=0):
+    """Edges into nodes 0 .. nodes-3 only (the last two have none), with repeats and self-loops."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, nodes, (edges,), generator=g)
+    dst = torch.randint(0, nodes - 2, (edges,), generator=g)
+    src[:3], dst[:3] = 4, 4          # self-loops
+    src[3:6], dst[3:6] = 1, 2        # a repeated edge
+    return src, dst, g
+
+
+def _leaf(t, device):
+    return t.to(device).requires_grad_()
+
+
+def test_edge_slots_sort_edges_by_destination_keeping_their_order():
+    dst = torch.tensor([2, 0, 2, 2, 0])
+    indptr, slots = family.edge_slots(dst, 4)
+    assert indptr.tolist() == [0, 2, 2, 5, 5]
+    assert slots.tolist() == [[1, 4, 0], [0, 0, 0], [0, 2, 3], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("indexed", [True, False], ids=["table", "per-edge"])
+@pytest.mark.parametrize("heads,dim", [(1, 4), (2, 7)])
+def test_edge_attention_matches_the_segment_reference(device, triton_backend, indexed, heads, dim):
+    src, dst, g = _graph()
+    nodes, edges = 9, src.numel()
+    q = _leaf(torch.randn(nodes, heads, dim, generator=g, dtype=torch.float64), device)
+    rows = nodes if indexed else edges
+    k = _leaf(torch.randn(rows, heads, dim, generator=g, dtype=torch.float64), device)
+    v = _leaf(torch.randn(rows, heads, dim, generator=g, dtype=torch.float64), device)
+    index = dict(k_index=src.to(device), v_index=src.to(device)) if indexed else {}
+    out = cg.edge_attention(q, k, v, dst.to(device), **index)
+    ref = cg.reference.edge_attention(q, k, v, dst.to(device), **index)
+    torch.testing.assert_close(out, ref)
+    assert out[-2:].abs().max() == 0  # no incoming edge: zeros
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64).to(device)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(a, b)
+
+
+def test_edge_softmax_aggregate_matches_the_segment_softmax(device, triton_backend):
+    src, dst, g = _graph(seed=1)
+    nodes, heads, dim = 9, 3, 5
+    scores = _leaf(torch.randn(src.numel(), heads, generator=g, dtype=torch.float64), device)
+    v = _leaf(torch.randn(nodes, heads, dim, generator=g, dtype=torch.float64), device)
+    out = cg.edge_softmax_aggregate(scores, v, dst.to(device), nodes, v_index=src.to(device))
+    index = dst.to(device)
+    p = torch.exp(scores - scores.max())
+    total = p.new_zeros(nodes, heads).index_add(0, index, p)
+    ref = torch.zeros(nodes, heads, dim, dtype=torch.float64, device=device).index_add(
+        0, index, (p / total[index])[..., None] * v[src.to(device)])
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64).to(device)
+    for a, b in zip(torch.autograd.grad(out, (scores, v), grad),
+                    torch.autograd.grad(ref, (scores, v), grad)):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_hub_runs_the_segment_path_with_the_same_result(monkeypatch, reference_backend_cpu):
+    """One node with all edges would pad every other row to its degree: the segment path runs."""
+    nodes, heads, dim = 50, 2, 4
+    dst = torch.zeros(200, dtype=torch.long)
+    src = torch.randint(0, nodes, (200,))
+    q, k, v = (torch.randn(nodes, heads, dim, dtype=torch.float64) for _ in range(3))
+    called = []
+    real = family.reference_edge_attention
+    monkeypatch.setattr(family, "reference_edge_attention",
+                        lambda *a, **kw: called.append(1) or real(*a, **kw))
+    out = cg.edge_attention(q, k, v, dst, k_index=src, v_index=src)
+    assert called
+    monkeypatch.setattr(family, "PADDING_LIMIT", 10**6)
+    padded = cg.edge_attention(q, k, v, dst, k_index=src, v_index=src)
+    assert len(called) == 1
+    torch.testing.assert_close(out, padded)
+
+
+@pytest.fixture
+def reference_backend_cpu():
+    import fastopt.config as fconfig
+
+    with fconfig.patch(kernels__backend="reference"):
+        yield
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(dst=torch.tensor([0, 9])), r"dst holds 9, outside the destinations \[0, 3\)"),
+    (dict(dst=torch.tensor([0.0, 1.0])), r"dst has dtype torch.float32"),
+    (dict(k=torch.randn(3, 1, 2)), r"k has 3 rows but there are 2 edges"),
+    (dict(k_index=torch.tensor([0])), r"k_index has 1 entries but there are 2 edges"),
+])
+def test_bad_arguments_name_the_value_and_the_fix(bad, match, reference_backend_cpu):
+    args = dict(q=torch.randn(3, 1, 2), k=torch.randn(2, 1, 2), v=torch.randn(2, 1, 2),
+                dst=torch.tensor([0, 1]))
+    index = {"k_index": bad.pop("k_index")} if "k_index" in bad else {}
+    if index:
+        args["k"] = torch.randn(3, 1, 2)
+    args.update(bad)
+    with pytest.raises(KernelError, match=match):
+        cg.edge_attention(args["q"], args["k"], args["v"], args["dst"], **index)
+
+
+def test_edge_softmax_aggregate_checks_its_arguments():
+    with pytest.raises(KernelError, match=r"num_dst must be an int >= 0 \(got -1\)"):
+        cg.edge_softmax_aggregate(torch.randn(2, 1), torch.randn(2, 1, 3), torch.tensor([0, 0]), -1)
+    with pytest.raises(KernelError, match=r"scores have 1 heads"):
+        cg.edge_softmax_aggregate(torch.randn(2, 1), torch.randn(2, 2, 3), torch.tensor([0, 0]), 1)

@@ -1,0 +1,197 @@
+"""PyG's attention layers under ``fastopt.optimize``: replaced by class, outputs and gradients as
+the original's on random graphs with nodes without incoming edges, multi-edges and self-loops;
+options the replacement does not take left alone and reported, or run by the original forward."""
+
+from __future__ import annotations
+
+import copy
+import re
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("torch_geometric")
+from torch_geometric.nn import GATConv, GATv2Conv, TransformerConv  # noqa: E402
+
+import fastopt  # noqa: E402
+import fastopt.config as fconfig  # noqa: E402
+
+NODES, EDGES, IN, EDGE_DIM = 14, 60, 12, 5
+
+
+def _graph(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, NODES, (EDGES,), generator=g)
+    dst = torch.randint(0, NODES - 3, (EDGES,), generator=g)  # the last three get no edge
+    src[:4], dst[:4] = 5, 5                                    # self-loops
+    src[4:8], dst[4:8] = 2, 7                                  # one edge four times
+    x = torch.randn(NODES, IN, generator=g, dtype=dtype)
+    edge_attr = torch.randn(EDGES, EDGE_DIM, generator=g, dtype=dtype)
+    return x, torch.stack([src, dst]), edge_attr
+
+
+LAYERS = {
+    "transformer": lambda: TransformerConv(IN, 6, heads=2, edge_dim=EDGE_DIM, dropout=0.1),
+    "transformer-beta-mean": lambda: TransformerConv(IN, 5, heads=3, concat=False, beta=True,
+                                                     edge_dim=EDGE_DIM),
+    "transformer-noedge-noroot": lambda: TransformerConv(IN, 7, heads=1, root_weight=False),
+    "transformer-bipartite": lambda: TransformerConv((IN, IN), 4, heads=2, edge_dim=EDGE_DIM),
+    "gat": lambda: GATConv(IN, 6, heads=2, edge_dim=EDGE_DIM, dropout=0.2),
+    "gat-mean-noloops": lambda: GATConv(IN, 5, heads=3, concat=False, add_self_loops=False),
+    "gat-residual-bipartite": lambda: GATConv((IN, IN), 4, heads=2, residual=True, bias=False),
+    "gatv2": lambda: GATv2Conv(IN, 6, heads=2, edge_dim=EDGE_DIM),
+    "gatv2-shared-mean": lambda: GATv2Conv(IN, 5, heads=2, concat=False, share_weights=True,
+                                           residual=True, fill_value=0.5, edge_dim=EDGE_DIM),
+}
+
+
+def _inputs(name, x, edge_index, edge_attr):
+    if "bipartite" in name:
+        x = (x, x[: NODES - 2].clone())
+        edge_index = edge_index.clone()
+        edge_index[1] = edge_index[1] % (NODES - 2)
+    attr = None if "noedge" in name or name.startswith("gat-") else edge_attr
+    return x, edge_index, attr
+
+
+def _leaves(x, edge_attr):
+    xs = tuple(t.detach().clone().requires_grad_() for t in (x if isinstance(x, tuple) else (x,)))
+    attr = None if edge_attr is None else edge_attr.detach().clone().requires_grad_()
+    return (xs if len(xs) == 2 else xs[0]), attr
+
+
+def _run(layer, x, edge_index, edge_attr, grad):
+    out = layer(x, edge_index, edge_attr) if edge_attr is not None else layer(x, edge_index)
+    wrt = [*(x if isinstance(x, tuple) else (x,)), *([edge_attr] if edge_attr is not None else []),
+           *layer.parameters()]
+    return out, torch.autograd.grad(out, wrt, grad, allow_unused=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_layer_matches_the_original(name, dtype):
+    torch.manual_seed(0)
+    layer = LAYERS[name]().to(dtype).eval()  # eval: dropout off, so both are deterministic
+    original = copy.deepcopy(layer)
+    fast = fastopt.optimize(layer)
+    assert type(fast).__name__ == f"Fused{type(layer).__name__}"
+    report = fast.fastopt_report
+    assert report.count() == 1 and report.rewrites[0].pattern.startswith(f"pyg.{type(layer).__name__}[")
+    assert list(fast.state_dict()) == list(original.state_dict())
+    x, edge_index, edge_attr = _inputs(name, *_graph(dtype=dtype))
+    xa, ea = _leaves(x, edge_attr)
+    xb, eb = _leaves(x, edge_attr)
+    heads_out = layer.heads * layer.out_channels if layer.concat else layer.out_channels
+    rows = x[1].shape[0] if isinstance(x, tuple) else NODES
+    grad = torch.randn(rows, heads_out, dtype=dtype, generator=torch.Generator().manual_seed(3))
+    want, want_grads = _run(original, xa, edge_index, ea, grad)
+    got, got_grads = _run(fast, xb, edge_index, eb, grad)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else {}
+    torch.testing.assert_close(got, want, **tol)
+    for a, b in zip(got_grads, want_grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_replacement_runs_the_fused_operator(monkeypatch, backend):
+    """The fused forward is what runs, not the layer's propagate (the generated kernels behind
+    the operator are tested on the interpreter in tests/codegen/test_edge_attention.py)."""
+    layer = LAYERS["transformer"]().eval()
+    fast = fastopt.optimize(copy.deepcopy(layer))
+    x, edge_index, edge_attr = _graph()
+    want = layer(x, edge_index, edge_attr)
+    monkeypatch.setattr(type(layer), "propagate", lambda *a, **kw: pytest.fail("propagate ran"))
+    with fconfig.patch(kernels__backend=backend):
+        got = fast(x, edge_index, edge_attr)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_training_dropout_keeps_rows_stochastic_and_empty_rows_zero():
+    torch.manual_seed(0)
+    layer = GATConv(IN, 4, heads=2, dropout=0.5, add_self_loops=False, bias=False).train()
+    fast = fastopt.optimize(layer)
+    x, edge_index, _ = _graph()
+    a, b = fast(x, edge_index), fast(x, edge_index)
+    assert not torch.equal(a, b)
+    assert a[-3:].abs().max() == 0 and b[-3:].abs().max() == 0
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda: TransformerConv(IN, 4, aggr="mean"), r"aggr='mean'"),
+    (lambda: GATConv(IN, 4, flow="target_to_source"), r"flow='target_to_source'"),
+    (lambda: GATv2Conv(IN, 4, aggr="max"), r"aggr='max'"),
+])
+def test_unsupported_options_are_left_alone_and_reported(make, why):
+    layer = make()
+    fast = fastopt.optimize(layer)
+    assert fast is layer
+    reasons = [a.reason for a in fast.fastopt_report.left_alone if a.pass_name.startswith("fuse_pyg")]
+    assert len(reasons) == 1 and re.search(why, reasons[0]), reasons
+    assert why.replace("\\", "").split("=")[0] in str(fast.fastopt_report)
+
+
+def test_a_subclass_is_left_alone_and_reported():
+    class MyConv(TransformerConv):
+        pass
+
+    layer = MyConv(IN, 4)
+    report = fastopt.optimize(layer).fastopt_report
+    assert report.count() == 0
+    assert any("MyConv subclasses TransformerConv" in a.reason for a in report.left_alone)
+
+
+def test_per_call_options_run_the_original_forward():
+    torch.manual_seed(0)
+    layer = LAYERS["gat"]().eval()
+    fast = fastopt.optimize(copy.deepcopy(layer))
+    x, edge_index, edge_attr = _graph()
+    out, (ei, alpha) = fast(x, edge_index, edge_attr, return_attention_weights=True)
+    want, (ei2, alpha2) = layer(x, edge_index, edge_attr, return_attention_weights=True)
+    torch.testing.assert_close(out, want)
+    assert torch.equal(ei, ei2)
+    torch.testing.assert_close(alpha, alpha2)
+    sizes = fast(x, edge_index, edge_attr, size=(NODES, NODES))
+    torch.testing.assert_close(sizes, layer(x, edge_index, edge_attr, size=(NODES, NODES)))
+
+
+def test_layers_inside_a_model_are_found_and_share_parameters():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = GATv2Conv(IN, 8, heads=2)
+            self.conv2 = TransformerConv(16, 4, heads=2, edge_dim=EDGE_DIM)
+
+        def forward(self, x, edge_index, edge_attr):
+            return self.conv2(self.conv1(x, edge_index).relu(), edge_index, edge_attr)
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    fast = fastopt.optimize(net)
+    report = fast.fastopt_report
+    assert report.rewritten_modules() == ["conv1", "conv2"]
+    assert "fastopt.codegen.edge_attention" in str(report)
+    assert fast.conv1.lin_l.weight is net.conv1.lin_l.weight
+    x, edge_index, edge_attr = _graph()
+    torch.testing.assert_close(fast(x, edge_index, edge_attr), net(x, edge_index, edge_attr),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_without_pyg_the_rules_recognize_nothing(monkeypatch):
+    from fastopt.passes import pyg_conv, pyg_memory
+
+    layer = TransformerConv(IN, 4)
+    for cached in (pyg_conv.pyg_conv_classes, pyg_memory.tgn_memory_class):
+        cached.cache_clear()
+    monkeypatch.setitem(sys.modules, "torch_geometric.nn", None)
+    try:
+        assert pyg_conv.FuseTransformerConv().classes() == ()
+        assert pyg_memory.TensorizeTgnMemory().classes() == ()
+        report = fastopt.optimize(layer).fastopt_report
+        assert report.count() == 0 and not any("pyg" in a.pass_name for a in report.left_alone)
+    finally:
+        monkeypatch.undo()
+        for cached in (pyg_conv.pyg_conv_classes, pyg_memory.tgn_memory_class):
+            cached.cache_clear()
