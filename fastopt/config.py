@@ -524,9 +524,9 @@ class ConfigWarning(UserWarning):
 
 
 # FASTOPT_* variables read elsewhere (not config knobs): tests' data folder, graph dumps of the
-# passes, the commit a benchmark record names, the build without OpenMP.
+# passes, the commit a benchmark record names, the build without OpenMP, the tests' PostgreSQL server.
 OTHER_VARIABLES = ("FASTOPT_SHARED_DATA", "FASTOPT_DUMP_GRAPHS", "FASTOPT_GIT_COMMIT",
-                   "FASTOPT_NO_OPENMP")
+                   "FASTOPT_NO_OPENMP", "FASTOPT_TEST_POSTGRES_URL")
 
 
 def _env_keys(cfg: Config) -> dict:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -172,9 +174,9 @@ class StepObjective:
         max_device_memory: bytes a trial may allocate on a CUDA device; a trial above it is
             pruned. Ignored on the CPU.
 
-    The trial's user attributes: ``values`` (every value set, fixed ones included),
-    ``step_seconds``, ``steps``, ``timing``, ``peak_device_bytes``, and ``failure`` or ``pruned``
-    with the reason when pruned.
+    The trial's user attributes: ``worker`` (``host:pid`` of the process that ran it),
+    ``values`` (every value set, fixed ones included), ``step_seconds``, ``steps``, ``timing``,
+    ``peak_device_bytes``, and ``failure`` or ``pruned`` with the reason when pruned.
     """
 
     def __init__(self, space: SearchSpace, config: Config, make_trainer: Callable[[Config], Any],
@@ -183,6 +185,7 @@ class StepObjective:
         self.window, self.max_device_memory = window, max_device_memory
 
     def __call__(self, trial: optuna.Trial) -> float:
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         values = self.space.suggest(trial)
         trial.set_user_attr("values", values)
         trainer = None

@@ -4,6 +4,9 @@
 attribute ``fastopt`` (model fingerprint, dataset signature, device, versions, the window), runs
 the baseline config as the study's first trial (so that the record compares the best config with
 the defaults measured in the same run), then the trials left to reach the total asked for.
+Several workers (processes, machines) may run :func:`tune` on one study in an RDB storage at once:
+the worker that creates the study enqueues the baseline, Optuna hands each trial to one worker,
+and each worker stops once the study's finished and running trials reach the total.
 :func:`export_record` turns a study, finished or not, into a :class:`TuningRecord`.
 """
 
@@ -103,11 +106,15 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
                "max_device_memory": max_device_memory, "baseline": config.to_dict()}
     name = study_name or f"{model_name}-{graph.name}-{identity['name']}".replace(" ", "_")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = open_study(storage, name, seed=config.train.seed,
+
+    def first_open(study: optuna.Study) -> None:
+        # only the worker that made the study gets here: the baseline is enqueued once
+        _claim(study, context)
+        study.enqueue_trial(space.baseline(), user_attrs={ROLE: "baseline"})
+
+    study = open_study(storage, name, seed=config.train.seed, on_create=first_open,
                        pruner=optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=0))
     _claim(study, context)
-    if not any(t.user_attrs.get(ROLE) == "baseline" for t in study.trials):
-        study.enqueue_trial(space.baseline(), user_attrs={ROLE: "baseline"})
     done = sum(t.state in FINISHED for t in study.trials)
     if done:
         say(f"fastopt tune: resuming study {name!r}: {done} trial(s) finished")
@@ -117,7 +124,7 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
         bar = progress_bar(None, "fastopt tune", progress, total=trials - done, leave=True)
         try:
             study.optimize(objective, n_trials=trials - done, timeout=timeout,
-                           callbacks=[_progress(trials, say, bar)], gc_after_trial=True)
+                           callbacks=[_progress(trials, say, bar), _stop_at(trials)], gc_after_trial=True)
         finally:
             bar.close()
     completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
@@ -138,6 +145,18 @@ def _claim(study: optuna.Study, context: Dict[str, Any]) -> None:
             raise StudyError(f"study {study.study_name!r} tunes another {key} ({old!r}, this run "
                              f"{new!r}); pass a new --study-name, or the same model, dataset and "
                              f"device as the study")
+
+
+def _stop_at(total: int):
+    """A study callback that stops this worker once the study's finished trials and those other
+    workers are running reach ``total``: workers tuning one study together run about ``total``
+    trials between them, not ``total`` each (two that finish at once may both start one more)."""
+    def stop(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        busy = study.get_trials(deepcopy=False, states=FINISHED + (optuna.trial.TrialState.RUNNING,))
+        if len(busy) >= total:
+            study.stop()
+
+    return stop
 
 
 def _progress(total: int, say: Callable[[str], None], bar):

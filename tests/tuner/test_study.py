@@ -3,6 +3,8 @@ study resumes from its SQLite file, and the record is exported. Timings are neve
 
 from __future__ import annotations
 
+import importlib.util
+
 import optuna
 import pytest
 
@@ -115,7 +117,10 @@ def test_export_and_its_errors(small_graph, config, tmp_path, one_thread):
 
 
 def test_storage_urls():
-    assert storage_url("postgresql://u@h/db") == "postgresql://u@h/db"
+    # a URL naming no driver takes psycopg, the postgres extra's, whatever SQLAlchemy's default
+    psycopg = importlib.util.find_spec("psycopg") is not None
+    assert storage_url("postgresql://u@h/db") == ("postgresql+psycopg://u@h/db" if psycopg else "postgresql://u@h/db")
+    assert storage_url("postgresql+psycopg2://u@h/db") == "postgresql+psycopg2://u@h/db"
     assert storage_url("a.db").startswith("sqlite:///") and storage_url("a.db").endswith("/a.db")
     assert storage_url("").endswith("/fastopt-tune.db")
 
