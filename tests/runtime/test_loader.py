@@ -206,10 +206,10 @@ def test_a_consumed_batch_is_freed_before_the_epoch_ends(small_graph, threads):
 
 
 def test_trainer_merges_repeats_for_models_that_read_the_index(small_graph):
-    t = Trainer(build_model("tgat", small_graph, **TINY["tgat"]), small_graph, config(sampler__hop_dedup=True),
-                progress=False)
+    t = Trainer(build_model("tgat", small_graph, **TINY["tgat"]), small_graph, config(), progress=False)
     assert t.sampler.hop_dedup and t.build_inputs(small_graph.src[:50], small_graph.ts[:50] + 1).nbr_index
-    off = Trainer(build_model("tgat", small_graph, **TINY["tgat"]), small_graph, config(), progress=False)
+    off = Trainer(build_model("tgat", small_graph, **TINY["tgat"]), small_graph, config(sampler__hop_dedup=False),
+                  progress=False)
     assert not off.sampler.hop_dedup and off.build_inputs(small_graph.src[:50], small_graph.ts[:50] + 1).nbr_index is None
 
 
