@@ -6,20 +6,24 @@ side by side as one ``[block_m, lanes]`` tile (a program then covers ``rows_per_
 and loop over neighbor slots; masked aggregation processes slots ``block_k`` at a time as a
 ``[block_k, block_d]`` tile. Defaults come from :func:`heuristic_config` (tile sizes from the
 shape, warps from the tile and the GPU); every non-zero knob of ``config.kernels`` (set by the
-tuner or ``FASTOPT_KERNELS_*``) overrides its heuristic.
+tuner or ``FASTOPT_KERNELS_*``) overrides its heuristic, and an entry of
+``config.kernels.op_overrides`` for the fused op and its ``(K, H, d)`` problem overrides both
+(the tuner searches the mapping per fused op that way).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Dict, Tuple
 
-from fastopt.config import default_config
+from fastopt.config import default_config, parse_op_overrides
 from fastopt.errors import KernelError
 
-__all__ = ["KernelConfig", "heuristic_config", "attention_mapping", "next_power_of_2",
-           "FORWARD_ELEMENTS_PER_WARP"]
+__all__ = ["KernelConfig", "heuristic_config", "op_override", "op_problem", "attention_mapping",
+           "next_power_of_2", "FORWARD_ELEMENTS_PER_WARP", "MAX_TILE", "TIME_ENCODE_SLOTS"]
 
 # Elements of one [block_k, heads, block_d] register tile above which heads are split over programs.
 MAX_TILE = 8192
@@ -34,6 +38,8 @@ ELEMENTS_PER_WARP = 256
 FORWARD_ELEMENTS_PER_WARP = 128
 # Widest head dimension one tile holds (block_d covers d in one piece).
 MAX_BLOCK_D = 4096
+# Time differences per time-encoding program (the K of its (K, 1, T) problem; block_k may change it).
+TIME_ENCODE_SLOTS = 64
 
 
 def next_power_of_2(n: int) -> int:
@@ -123,7 +129,7 @@ class KernelConfig:
 
 def heuristic_config(slots: int, heads: int, dim: int, capability: Tuple[int, int] = (0, 0),
                      apply_knobs: bool = True, row_tiles: bool = True,
-                     warp_elements: int = ELEMENTS_PER_WARP) -> KernelConfig:
+                     warp_elements: int = ELEMENTS_PER_WARP, op: str = "") -> KernelConfig:
     """Default mapping for a ``K, H, d`` problem on a GPU of the given compute capability.
 
     All heads share a program while the ``[block_k, H, block_d]`` tile stays within
@@ -142,9 +148,12 @@ def heuristic_config(slots: int, heads: int, dim: int, capability: Tuple[int, in
         heads: Heads H.
         dim: Head dimension d.
         capability: CUDA compute capability, ``(0, 0)`` for the CPU interpreter.
-        apply_knobs: Let non-zero ``config.kernels`` knobs override the heuristics.
+        apply_knobs: Let non-zero ``config.kernels`` knobs override the heuristics, and the
+            ``config.kernels.op_overrides`` entry of ``op`` at this ``(K, H, d)`` override them.
         row_tiles: Warps for a ``[block_m, lanes]`` row tile (else for a slot tile).
         warp_elements: Elements of a row tile per warp.
+        op: The fused operator the kernel runs for (``"temporal_attention"``, ...), ``""`` for
+            none: the key of its ``op_overrides`` entries.
     """
     block_d = next_power_of_2(dim)
     block_k = next_power_of_2(slots)
@@ -168,19 +177,54 @@ def heuristic_config(slots: int, heads: int, dim: int, capability: Tuple[int, in
                    ("rows_per_program", "heads_per_program", "num_warps", "num_stages", "block_k",
                     "block_m", "max_registers")
                    if getattr(knobs, name)}
+        if knobs.gather_eviction != "auto":
+            changes["gather_eviction"] = knobs.gather_eviction
+        changes.update(op_override(op, (slots, heads, dim)))
         if "heads_per_program" in changes:
             changes["heads_per_program"] = next_power_of_2(min(changes["heads_per_program"], heads))
-        if knobs.gather_eviction != "auto":
-            changes["gather_eviction"] = "" if knobs.gather_eviction == "none" else knobs.gather_eviction
+        if changes.get("gather_eviction") == "none":
+            changes["gather_eviction"] = ""
         cfg = dataclasses.replace(cfg, **changes)
     return cfg.validate(slots, heads, dim)
+
+
+def op_problem(op: str, sizes: Tuple[int, ...]) -> Tuple[int, int, int]:
+    """The ``(K, H, d)`` problem under which the kernels of fused op ``op`` pick their mapping
+    and read their ``config.kernels.op_overrides`` entry, from the op's sizes: the attention's
+    ``(K, H, d)`` as they are, masked aggregation's ``(K, *feature)`` as ``(K, 1, product of the
+    feature sizes)``, the time encoding's ``(T,)`` as ``(TIME_ENCODE_SLOTS, 1, T)``.
+
+    Raises:
+        KernelError: an op without kernels of its own, or sizes of another form.
+    """
+    sizes = tuple(int(n) for n in sizes)
+    if op in ("temporal_attention", "shared_attention") and len(sizes) == 3:
+        return sizes
+    if op == "masked_aggregate" and len(sizes) >= 1:
+        return (sizes[0], 1, math.prod(sizes[1:]))
+    if op == "time_encode" and len(sizes) == 1:
+        return (TIME_ENCODE_SLOTS, 1, sizes[0])
+    raise KernelError(f"no kernel problem for op {op!r} of sizes {sizes}; ops with kernels: "
+                      f"temporal_attention / shared_attention (K, H, d), masked_aggregate "
+                      f"(K, *feature), time_encode (T,)")
+
+
+def op_override(op: str, problem: Tuple[int, int, int]) -> Dict[str, object]:
+    """The fields ``config.kernels.op_overrides`` sets for fused op ``op`` at ``problem``."""
+    return _parsed(default_config().kernels.op_overrides).get((op, tuple(problem)), {}) if op else {}
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed(text: str) -> dict:
+    return parse_op_overrides(text)
 
 
 def attention_mapping(slots: int, heads: int, dim: int) -> str:
     """The temporal-attention kernels' mapping for a ``K, H, d`` problem, in words: the forward's
     knobs, and the backward's warps where they differ (what a rewrite report shows)."""
-    cfg = heuristic_config(slots, heads, dim, warp_elements=FORWARD_ELEMENTS_PER_WARP)
+    cfg = heuristic_config(slots, heads, dim, warp_elements=FORWARD_ELEMENTS_PER_WARP,
+                           op="temporal_attention")
     knobs = ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items())
-    backward = heuristic_config(slots, heads, dim).num_warps
+    backward = heuristic_config(slots, heads, dim, op="temporal_attention").num_warps
     extra = f" (backward: num_warps={backward})" if backward != cfg.num_warps else ""
     return f"K={slots} H={heads} d={dim}: {knobs}{extra}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Callable, Dict, List, NamedTuple, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -91,13 +91,13 @@ def _knobs() -> tuple:
     knobs = default_config().kernels
     return (knobs.rows_per_program, knobs.block_m, knobs.heads_per_program, knobs.block_k,
             knobs.num_warps, knobs.num_stages, knobs.max_registers, knobs.gather_eviction,
-            knobs.cache_dir)
+            knobs.op_overrides, knobs.cache_dir)
 
 
 def specialize(family: str, device: torch.device, problem: Tuple[int, int, int],
                derive: Callable[[KernelConfig], dict] = lambda cfg: {}, *, row_tiles: bool,
                warp_elements: int = ELEMENTS_PER_WARP, all_heads: bool = False,
-               **spec) -> Specialized:
+               op: Optional[str] = None, **spec) -> Specialized:
     """The kernel of ``family`` for ``spec`` on a ``(K, H, d)`` problem, memoized per process.
 
     ``derive`` maps the thread mapping to template variables beyond the common ones (it must
@@ -105,14 +105,17 @@ def specialize(family: str, device: torch.device, problem: Tuple[int, int, int],
     ``row_tiles``: the family's programs hold ``[block_m, lanes]`` row tiles (else they tile
     neighbor slots); ``warp_elements``: the row-tile elements per warp of the heuristic mapping;
     ``all_heads``: every head in one program, whatever the heuristic or the knobs say (a kernel
-    that sums over heads).
+    that sums over heads); ``op``: the fused operator the kernel runs for, whose
+    ``config.kernels.op_overrides`` entries at ``problem`` apply (default: ``family``; ``""``:
+    none).
     """
-    key = (family, device, problem, _knobs(), row_tiles, warp_elements, all_heads,
+    op = family if op is None else op
+    key = (family, device, problem, _knobs(), row_tiles, warp_elements, all_heads, op,
            tuple(sorted(spec.items())))
     hit = _SPECIALIZED.get(key)
     if hit is None:
         cfg = heuristic_config(*problem, _capability(device), row_tiles=row_tiles,
-                               warp_elements=warp_elements)
+                               warp_elements=warp_elements, op=op)
         if all_heads:
             cfg = dataclasses.replace(cfg, heads_per_program=next_power_of_2(problem[1]))
         source = render(family, rows=cfg.rows_per_program, block_m=cfg.block_m, block_k=cfg.block_k,

@@ -1,11 +1,19 @@
 """The search space: the knobs worth tuning for one model, graph and device.
 
-Only knobs that can change the speed of *this* run are searched: sampler threads only when the
-model samples neighbors, ``sampler.hop_dedup`` only for models of two or more layers, cache
-placement, budget and policy only where features can live on the host apart from a CUDA device,
-CUDA graphs and the kernels' thread mapping only on CUDA (the mapping only where the generated
-kernels run). The batch size changes what the model learns, so it is searched only over sizes
-the user allows; by default the user's own size is kept.
+Only knobs that can change the speed of *this* run are searched: sampler threads, node
+reordering and thread placement only when the model samples neighbors (placement where networkx
+can pair threads and more than one runs), ``sampler.hop_dedup`` only for models of two or more
+layers, cache placement, budget and policy only where features can live on the host apart from a
+CUDA device, CUDA graphs only on CUDA. The batch size changes what the model learns, so it is
+searched only over sizes the user allows; by default the user's own size is kept.
+
+The generated kernels' thread mapping is searched per fused op, where those kernels run: the
+optimized model's fused ops and the problem shape of each are found by one training step of a
+copy of it on the CPU through the reference operators (:func:`fused_ops`; the shapes are those of
+the real run, the device aside), and each op at each shape gets the mapping fields its kernels
+read, with the values valid for that shape (:func:`op_choices`). A trial's values of those knobs
+become one ``kernels.op_overrides`` value (``temporal_attention@10x2x50:block_m=1,...``), which
+the kernels read per op and shape; ``0`` (``"auto"``) leaves a field to the heuristics.
 
 The candidates are one declarative table, each with its own condition on the run
 (:class:`SpaceContext`) and, for knobs that only matter under another knob's value (the cache
@@ -14,15 +22,23 @@ budget under host placement), a condition on the values chosen before it.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from fastopt.config import Config
+from fastopt.codegen.kernel_config import MAX_TILE, next_power_of_2, op_problem
+from fastopt.config import Config, format_op_overrides, parse_op_overrides
 from fastopt.errors import ConfigError
 
-__all__ = ["Knob", "SearchSpace", "SpaceContext", "build_space"]
+__all__ = ["FusedOp", "Knob", "SearchSpace", "SpaceContext", "build_space", "fused_ops", "op_choices"]
+
+# the config field a trial's per-op mapping values are joined into
+OP_OVERRIDES = "kernels.op_overrides"
+# a per-op knob's name: kernels.op_overrides[<op>@<K>x<H>x<d>].<field>
+_OP_KNOB = re.compile(r"^kernels\.op_overrides\[(\w+)@(\d+)x(\d+)x(\d+)\]\.(\w+)$")
 
 
 def _always(values: Dict[str, Any]) -> bool:
@@ -48,6 +64,27 @@ class Knob:
 
 
 @dataclass(frozen=True)
+class FusedOp:
+    """A fused operator of the optimized model at one problem shape.
+
+    Attributes:
+        op: the operator whose kernels read the mapping (``temporal_attention``,
+            ``masked_aggregate``, ``time_encode``).
+        problem: its ``(K, H, d)`` (:func:`fastopt.codegen.kernel_config.op_problem`).
+        where: the rewrite sites (``module.path:node``) that run it at that shape.
+    """
+
+    op: str
+    problem: Tuple[int, int, int]
+    where: Tuple[str, ...] = ()
+
+    @property
+    def key(self) -> str:
+        """``op@KxHxd``: the op's entry in ``kernels.op_overrides``."""
+        return f"{self.op}@{'x'.join(map(str, self.problem))}"
+
+
+@dataclass(frozen=True)
 class SpaceContext:
     """What a run contains, as far as the search space is concerned."""
 
@@ -59,6 +96,8 @@ class SpaceContext:
     cached: bool  # an edge feature table that the SlimCache can cache under host placement
     cores: int  # CPU cores this process may run on
     batch_sizes: Tuple[int, ...]  # batch sizes the user allows
+    ops: Tuple[FusedOp, ...] = ()  # fused ops the generated kernels run (found where they run)
+    pairing: bool = False  # networkx is installed: sampler threads can be paired on shared caches
 
 
 @dataclass(frozen=True)
@@ -80,6 +119,10 @@ def _thread_choices(ctx: SpaceContext) -> Tuple[int, ...]:
     return tuple(sorted(counts | {ctx.cores}))
 
 
+def _threads_beyond_one(values: Dict[str, Any]) -> bool:
+    return values.get("sampler.threads", 0) != 1  # 0: one per core, and there are several
+
+
 def _host_placement(values: Dict[str, Any]) -> bool:
     return values.get("cache.placement") == "host"
 
@@ -93,6 +136,11 @@ _CANDIDATES: Tuple[_Candidate, ...] = (
                why="only sizes the user allows: the batch size changes what the model learns"),
     _Candidate("sampler.threads", lambda ctx: ctx.layers > 0, _thread_choices,
                why="sampling throughput against the cores the training step needs"),
+    _Candidate("sampler.reorder", lambda ctx: ctx.layers > 0, _fixed("none", "degree", "rcm"),
+               why="row order of the adjacency lists: those read together lie together"),
+    _Candidate("sampler.pin_threads", lambda ctx: ctx.layers > 0 and ctx.cores > 1 and ctx.pairing,
+               _fixed(False, True), when=_threads_beyond_one,
+               why="sampler threads placed in pairs on CPUs that share a cache"),
     _Candidate("sampler.hop_dedup", lambda ctx: ctx.layers >= 2, _fixed(False, True),
                why="a smaller second hop against the host time of finding repeats"),
     _Candidate("pipeline.prefetch_depth", lambda ctx: True, _fixed(0, 1, 2, 4),
@@ -112,19 +160,56 @@ _CANDIDATES: Tuple[_Candidate, ...] = (
     _Candidate("pipeline.step_graphs", lambda ctx: ctx.cuda,
                lambda ctx: ("auto", "off") if ctx.optimized else ("auto", "on"),
                why="whole training steps replayed from CUDA graphs"),
-    _Candidate("kernels.block_m", lambda ctx: ctx.kernels, _fixed(0, 16, 32, 64),
-               why="rows per attention/reduction tile (0: the heuristic)"),
-    _Candidate("kernels.rows_per_program", lambda ctx: ctx.kernels, _fixed(0, 1, 2, 4),
-               why="row tiles one program handles in turn (0: the heuristic)"),
-    _Candidate("kernels.num_warps", lambda ctx: ctx.kernels, _fixed(0, 2, 4, 8),
-               why="warps per program (0: the heuristic)"),
-    _Candidate("kernels.num_stages", lambda ctx: ctx.kernels, _fixed(0, 1, 2, 3),
-               why="software-pipelining stages (0: the heuristic)"),
-    _Candidate("kernels.attention_softmax", lambda ctx: ctx.kernels, _fixed("auto", "online", "two_pass"),
-               why="running-maximum or two-pass edge softmax"),
-    _Candidate("kernels.gather_eviction", lambda ctx: ctx.kernels, _fixed("auto", "none", "evict_last"),
-               why="L2 hint of the attention's row gathers"),
+    _Candidate("kernels.attention_softmax",
+               lambda ctx: any(o.op == "temporal_attention" for o in ctx.ops),
+               _fixed("auto", "online", "two_pass"), why="running-maximum or two-pass edge softmax"),
 )
+
+# the per-op mapping fields searched, the values of each for an op's (K, H, d) (valid for that
+# shape: tiles within the register tile limit, heads up to H); every field of an op is one knob
+# per op and shape, 0 ("auto") first: the heuristic
+
+
+def _powers(top: int) -> Tuple[int, ...]:
+    return tuple(1 << i for i in range(top.bit_length()) if 1 << i <= top)
+
+
+def op_choices(op: FusedOp) -> Dict[str, Tuple[Any, ...]]:
+    """The mapping fields searched for ``op`` and the values tried for each (no heuristic
+    value among them): those the op's kernels read and that can run its shape."""
+    slots, heads, dim = op.problem
+    if op.op == "temporal_attention":
+        lanes = next_power_of_2(next_power_of_2(heads) * dim)  # the widest row: all heads
+        choices = {"block_m": _powers(min(64, MAX_TILE // lanes)), "rows_per_program": (1, 2, 4),
+                   "num_warps": (1, 2, 4, 8), "num_stages": (1, 2, 3),
+                   "gather_eviction": ("none", "evict_last")}
+        if heads > 1:
+            choices["heads_per_program"] = _powers(next_power_of_2(heads))
+        return choices
+    if op.op == "masked_aggregate":
+        return {"block_k": _powers(min(next_power_of_2(slots), MAX_TILE // next_power_of_2(dim))),
+                "rows_per_program": (1, 2, 4), "num_warps": (2, 4, 8), "num_stages": (1, 2, 3)}
+    if op.op == "time_encode":
+        return {"block_k": (16, 32, 64, 128), "num_warps": (1, 2, 4, 8), "num_stages": (1, 2, 3)}
+    return {}
+
+
+def _op_knobs(ops: Sequence[FusedOp], overrides: str) -> List[Knob]:
+    """A knob per op and field, the baseline config's value (its ``kernels.op_overrides``
+    entry, else the heuristic) first."""
+    base = parse_op_overrides(overrides)
+    knobs = []
+    for op in ops:
+        entry = base.get((op.op, op.problem), {})
+        for field, values in op_choices(op).items():
+            heuristic = "auto" if field == "gather_eviction" else 0
+            first = entry.get(field, heuristic)
+            choices = (first,) + tuple(v for v in (heuristic,) + values if v != first)
+            knobs.append(Knob(f"{OP_OVERRIDES}[{op.key}].{field}", choices,
+                              why=f"{field} of the {op.op} kernels at K={op.problem[0]} "
+                                  f"H={op.problem[1]} d={op.problem[2]} "
+                                  f"({len(op.where)} site(s); {heuristic}: the heuristic)"))
+    return knobs
 
 
 @dataclass(frozen=True)
@@ -140,39 +225,61 @@ class SearchSpace:
     knobs: Tuple[Knob, ...]
     fixed: Dict[str, Any]
     context: SpaceContext
+    overrides: str = ""  # the baseline config's kernels.op_overrides
 
     @property
     def names(self) -> Tuple[str, ...]:
         return tuple(k.name for k in self.knobs)
 
     def suggest(self, trial) -> Dict[str, Any]:
-        """The values of one trial: each knob that matters given the earlier ones, through
+        """The config values of one trial: each knob that matters given the earlier ones, through
         ``trial.suggest_categorical`` (an :class:`optuna.trial.Trial` or anything with that
-        method), then the fixed values."""
-        values: Dict[str, Any] = {}
+        method), as :meth:`values` turns them into config fields."""
+        params: Dict[str, Any] = {}
         for knob in self.knobs:
-            if knob.when(values):
-                values[knob.name] = trial.suggest_categorical(knob.name, list(knob.choices))
+            if knob.when(params):
+                params[knob.name] = trial.suggest_categorical(knob.name, list(knob.choices))
+        return self.values(params)
+
+    def baseline(self) -> Dict[str, Any]:
+        """The knobs' values of the baseline config (each knob's first choice) by knob name, for
+        the trial that measures the defaults in the same run."""
+        params: Dict[str, Any] = {}
+        for knob in self.knobs:
+            if knob.when(params):
+                params[knob.name] = knob.choices[0]
+        return params
+
+    def values(self, params: Dict[str, Any]) -> Dict[str, Any]:
+        """Config values of knob values: the per-op knobs joined into one
+        ``kernels.op_overrides`` over the baseline's (0 and ``"auto"`` leave a field out), the
+        others as they are, then the fixed values."""
+        values = {name: value for name, value in params.items() if not _OP_KNOB.match(name)}
+        per_op = [(_OP_KNOB.match(name), value) for name, value in params.items() if _OP_KNOB.match(name)]
+        if per_op:
+            base = parse_op_overrides(self.overrides)
+            entries = copy.deepcopy(base)
+            for match, value in per_op:
+                op, k, h, d, field = match.groups()
+                fields = entries.setdefault((op, (int(k), int(h), int(d))), {})
+                if value in (0, "auto"):
+                    fields.pop(field, None)
+                else:
+                    fields[field] = value
+            entries = {key: fields for key, fields in entries.items() if fields}
+            values[OP_OVERRIDES] = self.overrides if entries == base else format_op_overrides(entries)
         values.update(self.fixed)
         return values
 
-    def baseline(self) -> Dict[str, Any]:
-        """The searched values of the baseline config (each knob's first choice), for the trial
-        that measures the defaults in the same run."""
-        values: Dict[str, Any] = {}
-        for knob in self.knobs:
-            if knob.when(values):
-                values[knob.name] = knob.choices[0]
-        return values
-
     def apply(self, config: Config, values: Dict[str, Any]) -> Config:
-        """A copy of ``config`` with ``values`` set (fixed values included).
+        """A copy of ``config`` with ``values`` set (config fields, or knob values as
+        :meth:`baseline` gives them; fixed values included).
 
         Raises:
             ConfigError: a value the configuration refuses (naming the field and its range).
         """
         out = config.copy()
-        for name, value in {**values, **self.fixed}.items():
+        for name, value in self.values(values).items():
             out.set(name, value)
         return out
 
@@ -212,10 +319,11 @@ def build_space(model, graph, config: Config, device, *,
         if cand.name != "train.batch_size" or base in choices:
             choices = (base,) + tuple(c for c in choices if c != base)
         knobs.append(Knob(cand.name, choices, cand.when, cand.why))
+    knobs += _op_knobs(context.ops, config.kernels.op_overrides)
     fixed = {}
     if len(context.batch_sizes) == 1 and context.batch_sizes[0] != config.train.batch_size:
         fixed["train.batch_size"] = context.batch_sizes[0]
-    return SearchSpace(tuple(knobs), fixed, context)
+    return SearchSpace(tuple(knobs), fixed, context, config.kernels.op_overrides)
 
 
 def space_context(model, graph, config: Config, device, batch_sizes=None) -> SpaceContext:
@@ -240,7 +348,48 @@ def space_context(model, graph, config: Config, device, batch_sizes=None) -> Spa
     has_node = node is not None and node.shape[1] > 0
     return SpaceContext(layers=len(getattr(model, "fanouts", []) or []), cuda=cuda, optimized=optimized,
                         kernels=kernels, tables=has_edge or has_node,
-                        cached=has_edge and config.sampler.dedup, cores=_cores(), batch_sizes=sizes)
+                        cached=has_edge and config.sampler.dedup, cores=_cores(), batch_sizes=sizes,
+                        ops=fused_ops(model, graph, config) if kernels else (),
+                        pairing=importlib.util.find_spec("networkx") is not None)
+
+
+# what the probe of fused_ops changes in the run's config: the CPU, the optimized model through
+# the reference operators (where the CPU would run the code they replace), the time encoding fused
+# as it is inside CUDA graphs, and no threads beyond the step's
+_PROBE = {"train.device": "cpu", "train.optimize": "on", "kernels.backend": "reference",
+          "sampler.threads": 1, "pipeline.prefetch_depth": 0, "pipeline.async_sampling": False}
+
+
+def fused_ops(model, graph, config: Config) -> Tuple[FusedOp, ...]:
+    """The fused ops the optimized ``model`` runs when trained on ``graph`` with ``config``, one
+    per op and problem shape, in the order first run.
+
+    One training step of a copy of ``model``, optimized, runs on the CPU through the reference
+    operators (``model`` is left as it was); each rewrite site of its report that ran a fused op
+    gives the op and its sizes. A model of which nothing is rewritten has none.
+    """
+    from fastopt.trainer import Trainer
+
+    probe = config.copy()
+    for name, value in _PROBE.items():
+        probe.set(name, value)
+    if probe.passes.fuse_time_encoding == "graphs":
+        probe.set("passes.fuse_time_encoding", "always")
+    trainer = Trainer(copy.deepcopy(model).cpu(), graph, probe, progress=False, records=False)
+    steps = trainer.train_steps(epoch=0)
+    try:
+        next(steps)
+    finally:
+        steps.close()
+    report = getattr(trainer.model, "fastopt_report", None)
+    found: Dict[Tuple[str, Tuple[int, int, int]], List[str]] = {}
+    for rewrite in (report.rewrites if report is not None else ()):
+        sizes = report.site_shapes(rewrite.site)
+        if sizes and rewrite.op in ("temporal_attention", "shared_attention", "masked_aggregate",
+                                    "time_encode"):
+            op = "temporal_attention" if rewrite.op == "shared_attention" else rewrite.op
+            found.setdefault((op, op_problem(rewrite.op, sizes)), []).append(rewrite.where)
+    return tuple(FusedOp(op, problem, tuple(where)) for (op, problem), where in found.items())
 
 
 def _cores() -> int:
@@ -252,5 +401,5 @@ def _cores() -> int:
 
 def knob_fields() -> Tuple[str, ...]:
     """Every config field some space may search (a record applies only these)."""
-    return tuple(c.name for c in _CANDIDATES)
+    return tuple(c.name for c in _CANDIDATES) + (OP_OVERRIDES,)
 

@@ -153,7 +153,7 @@ def launch_backward(grad_out: Tensor, x: Tensor, mask=None, indptr=None, *, inde
     if mode == "atomic":
         return dx.to(x.dtype)
     (table,) = segment_reduce(((coef, grad_out.reshape(rows, 1, features)),), index, x.shape[0],
-                              x.dtype)
+                              x.dtype, op="masked_aggregate")
     return table.view(x.shape)
 
 

@@ -74,7 +74,8 @@ def _row_ids(count: int, device: torch.device, dtype: torch.dtype, shift: int = 
 
 
 def segment_reduce(terms: Sequence[Tuple[Tensor, Tensor]], index: Tensor, table_rows: int,
-                   dtype: torch.dtype, segments: Optional[Segments] = None) -> Tuple[Tensor, ...]:
+                   dtype: torch.dtype, segments: Optional[Segments] = None, *,
+                   op: str = "") -> Tuple[Tensor, ...]:
     """``out[u] = sum over slots (m, j) with index[m, j] == u of coef[m, :, j] * x[m]``.
 
     Deterministic: each table row sums its slots in sorted order within one program. One or two
@@ -87,6 +88,8 @@ def segment_reduce(terms: Sequence[Tuple[Tensor, Tensor]], index: Tensor, table_
         table_rows: U.
         dtype: Result dtype.
         segments: Sorted slots to reuse across calls with the same index.
+        op: The fused operator whose backward this is: its ``config.kernels.op_overrides``
+            entries at ``(K, H, d)`` set the mapping (``""``: none).
 
     Returns:
         One ``[U, H, d]`` table per term.
@@ -98,7 +101,7 @@ def segment_reduce(terms: Sequence[Tuple[Tensor, Tensor]], index: Tensor, table_
     slots = index.shape[1]
     perm, segptr = (segments or Segments()).of(index, table_rows)
     kernel = kernels.specialize("segment_reduce", index.device, (slots, heads, dim), row_tiles=True,
-                                K=slots, H=heads, D=dim, dtype=kernels.TL_DTYPES[dtype],
+                                op=op, K=slots, H=heads, D=dim, dtype=kernels.TL_DTYPES[dtype],
                                 acc=kernels.TL_DTYPES[terms[0][0].dtype], pair=len(terms) == 2)
     outs = tuple(kernels.empty((table_rows, heads, dim), dtype, index.device) for _ in terms)
     args = [a for (coef, x), out in zip(terms, outs) for a in (coef, x, out)]

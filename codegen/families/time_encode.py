@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from fastopt.codegen import checks, kernels
+from fastopt.codegen.kernel_config import TIME_ENCODE_SLOTS
 from fastopt.codegen.layout import acc_dtype
 from fastopt.codegen.library import fused_op
 from fastopt.errors import KernelError
@@ -63,7 +64,7 @@ def reference_backward(grad_out: Tensor, dt: Tensor, w: Tensor,
 
 def _kernel(stage: str, dt: Tensor, w: Tensor) -> kernels.Specialized:
     width = w.shape[0]
-    return kernels.specialize("time_encode", dt.device, (64, 1, width),
+    return kernels.specialize("time_encode", dt.device, (TIME_ENCODE_SLOTS, 1, width),
                               lambda cfg: {"block_n": cfg.block_k, "block_t": cfg.block_d},
                               row_tiles=False, stage=stage, T=width,
                               dtype=kernels.TL_DTYPES[w.dtype],

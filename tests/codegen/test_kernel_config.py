@@ -77,3 +77,47 @@ def test_config_rejects_register_caps_outside_the_hardware_range():
     with fconfig.patch(kernels__max_registers=64):
         assert heuristic_config(10, 2, 50).max_registers == 64
     assert heuristic_config(10, 2, 50).max_registers == 0
+
+
+def test_op_overrides_apply_to_their_op_and_shape_only():
+    """kernels.op_overrides sets the mapping of one fused op at one (K, H, d), over the global
+    knobs; other ops and shapes keep theirs."""
+    entry = "temporal_attention@10x4x50:block_m=2,rows_per_program=3,heads_per_program=2,gather_eviction=evict_last"
+    with fconfig.patch(kernels__num_warps=4, kernels__op_overrides=entry + ";masked_aggregate@10x1x64:block_k=4"):
+        cfg = heuristic_config(10, 4, 50, op="temporal_attention")
+        assert (cfg.block_m, cfg.rows_per_program, cfg.heads_per_program, cfg.num_warps,
+                cfg.gather_eviction) == (2, 3, 2, 4, "evict_last")
+        other = heuristic_config(10, 4, 64, op="temporal_attention")  # another shape
+        plain = heuristic_config(10, 4, 50)  # no op: global knobs only
+        assert other.rows_per_program == plain.rows_per_program == 1 and other.num_warps == 4
+        assert heuristic_config(10, 1, 64, op="masked_aggregate", row_tiles=False).block_k == 4
+        assert heuristic_config(10, 1, 64, op="time_encode", row_tiles=False).block_k == 16
+    with fconfig.patch(kernels__op_overrides="temporal_attention@10x4x50:gather_eviction=none",
+                       kernels__gather_eviction="evict_last"):
+        assert heuristic_config(10, 4, 50, op="temporal_attention").gather_eviction == ""
+
+
+@pytest.mark.parametrize("text,match", [
+    ("attention@10x2x50:block_m=1", "must start with one of temporal_attention"),
+    ("temporal_attention@10x2:block_m=1", "a shape KxHxd of positive sizes"),
+    ("temporal_attention@10x2x50:block_k=4", "temporal_attention has no field 'block_k'"),
+    ("temporal_attention@10x2x50:block_m=3", "block_m must be a power of two >= 1 \\(got '3'\\)"),
+    ("temporal_attention@10x2x50:num_warps=0", "num_warps must be an integer >= 1"),
+    ("temporal_attention@10x2x50:max_registers=12", "max_registers must be in \\[24, 255\\]"),
+    ("temporal_attention@10x2x50:gather_eviction=evict_first", "'none' or 'evict_last'"),
+    ("temporal_attention@10x2x50:", "sets no field"),
+    ("time_encode@64x1x8:num_warps=2;time_encode@64x1x8:block_k=8", "names 'time_encode@64x1x8' twice"),
+])
+def test_op_overrides_refuse_bad_entries(text, match):
+    cfg = fconfig.Config()
+    with pytest.raises(ConfigError, match=match):
+        cfg.set("kernels.op_overrides", text)
+    assert cfg.kernels.op_overrides == ""
+
+
+def test_op_overrides_round_trip():
+    text = "temporal_attention@10x2x50:num_warps=2,block_m=1; masked_aggregate@7x1x100:block_k=8"
+    parsed = fconfig.parse_op_overrides(text)
+    assert parsed == {("temporal_attention", (10, 2, 50)): {"num_warps": 2, "block_m": 1},
+                      ("masked_aggregate", (7, 1, 100)): {"block_k": 8}}
+    assert fconfig.parse_op_overrides(fconfig.format_op_overrides(parsed)) == parsed

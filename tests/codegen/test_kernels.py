@@ -345,6 +345,22 @@ def test_thread_mappings_agree(knobs, device):
                                  kwargs)
 
 
+def test_op_overrides_map_the_attention_and_its_reduction(device):
+    """An op_overrides entry of the attention at its (K, H, d) maps its forward, its backward and
+    the segmented reduction of that backward, and the results still match the reference."""
+    case = (7, 10, 4, 50, "mask", "indexed", "indexed", 0.0, "deterministic")
+    tensors, kwargs = _attention_inputs(case, device)
+    entry = "temporal_attention@10x4x50:block_m=2,rows_per_program=3,heads_per_program=2"
+    with fconfig.patch(kernels__op_overrides=entry):
+        _check_against_reference(cg.temporal_attention, reference.temporal_attention, tensors, kwargs)
+    used = {(key[0], dict(key[-1]).get("stage", "")): hit.cfg for key, hit in kernels._SPECIALIZED.items()
+            if key[2] == (10, 4, 50) and entry in key[3]}
+    assert set(used) == {("temporal_attention", "forward"), ("temporal_attention", "backward"),
+                         ("segment_reduce", "")}
+    assert all((c.block_m, c.rows_per_program) == (2, 3) for c in used.values())
+    assert used[("temporal_attention", "forward")].heads_per_program == 2
+
+
 @pytest.mark.parametrize("mode", ["deterministic", "atomic"])
 def test_more_slots_than_the_unrolled_loop(mode, device):
     """Above 32 slot-heads the slots run as a loop rather than unrolled: same results."""

@@ -174,7 +174,8 @@ def test_the_package_ships_no_unmeasured_records():
 def test_optimize_auto_applies_the_kernel_values_of_the_model_record(tmp_path, tgn, small_graph):
     import fastopt
 
-    values = {"kernels.block_m": 32, "passes.cuda_graphs": "off", "sampler.threads": 1}
+    mapping = "temporal_attention@10x2x8:block_m=32"  # the attention of this TGN, per op
+    values = {"kernels.op_overrides": mapping, "passes.cuda_graphs": "off", "sampler.threads": 1}
     with patch(tuner__records_dir=str(tmp_path)):
         plain = fastopt.optimize(tgn)
         assert plain.fastopt_report.tuning == "no tuned record matches this device and model; defaults"
@@ -182,11 +183,11 @@ def test_optimize_auto_applies_the_kernel_values_of_the_model_record(tmp_path, t
         fast = fastopt.optimize(tgn)
         explicit = fastopt.optimize(tgn, config=Config())  # an explicit config reads no record
     report = fast.fastopt_report
-    assert "config: tuned record tgn.json (model match; applied kernels.block_m=32, " \
-           "passes.cuda_graphs=off)" in str(report)
-    runs_under = {m._fastopt_changes.get("kernels__block_m") for m in fast.modules()
+    assert (f"config: tuned record tgn.json (model match; applied kernels.op_overrides={mapping}, "
+            f"passes.cuda_graphs=off)") in str(report)
+    runs_under = {m._fastopt_changes.get("kernels__op_overrides") for m in fast.modules()
                   if hasattr(m, "_fastopt_changes") and m._fastopt_changes}
-    assert runs_under == {32}
+    assert runs_under == {mapping}
     assert explicit.fastopt_report.tuning is None and "config:" not in str(explicit.fastopt_report)
 
 

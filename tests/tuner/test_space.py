@@ -7,11 +7,14 @@ import importlib.util
 import optuna
 import pytest
 
-from fastopt.config import Config
+import fastopt.config as fconfig
+from fastopt.codegen.kernel_config import MAX_TILE, heuristic_config, next_power_of_2
+from fastopt.config import OP_OVERRIDE_FIELDS, Config
 from fastopt.errors import ConfigError
 from fastopt.models import build_model
+import fastopt.tuner.space as space_module
 from fastopt.tuner import build_space
-from fastopt.tuner.space import knob_fields
+from fastopt.tuner.space import knob_fields, op_choices
 
 SMALL = {"tgn": {"memory_dim": 8, "dim": 8, "time_dim": 8}, "tgat": {"dim": 8, "time_dim": 8},
          "jodie": {"memory_dim": 8, "dim": 8, "time_dim": 8}, "apan": {"memory_dim": 8, "dim": 8, "time_dim": 8}}
@@ -25,17 +28,40 @@ def space_for(name, graph, device="cpu", config=None, **kwargs):
     return build_space(build_model(name, graph, **SMALL[name]), graph, config, device, **kwargs)
 
 
+SAMPLER = {"sampler.threads", "sampler.reorder", "sampler.pin_threads"}
+
+
+@pytest.fixture
+def two_cores(monkeypatch):
+    """Spaces built as on CI's 2-core machine (thread counts and placement depend on the cores)."""
+    monkeypatch.setattr(space_module, "_cores", lambda: 2)
+
+
 @pytest.mark.parametrize("name,searched", [
-    ("tgn", {"sampler.threads"} | CPU_PIPELINE),
-    ("tgat", {"sampler.threads", "sampler.hop_dedup"} | CPU_PIPELINE),  # two layers
+    ("tgn", SAMPLER | CPU_PIPELINE),
+    ("tgat", SAMPLER | {"sampler.hop_dedup"} | CPU_PIPELINE),  # two layers
     ("jodie", CPU_PIPELINE),  # samples no neighbors
     ("apan", CPU_PIPELINE),
 ])
-def test_cpu_space_of_each_model(small_graph, name, searched):
+def test_cpu_space_of_each_model(small_graph, name, searched, two_cores):
     space = space_for(name, small_graph)
     assert set(space.names) == searched
     assert not set(space.names) & CUDA_ONLY and not any(n.startswith("kernels.") for n in space.names)
     assert space.fixed == {}
+
+
+def test_thread_placement_only_for_several_threads_that_can_be_paired(small_graph, monkeypatch):
+    monkeypatch.setattr(space_module, "_cores", lambda: 1)
+    assert "sampler.pin_threads" not in space_for("tgn", small_graph).names  # one core
+    monkeypatch.setattr(space_module, "_cores", lambda: 4)
+    space = space_for("tgn", small_graph)
+    knobs = {k.name: k for k in space.knobs}
+    assert knobs["sampler.reorder"].choices == ("none", "degree", "rcm")
+    assert not knobs["sampler.pin_threads"].when({"sampler.threads": 1})
+    assert knobs["sampler.pin_threads"].when({"sampler.threads": 0})  # one per core: four
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "networkx" else real(name, *a))
+    assert "sampler.pin_threads" not in space_for("tgn", small_graph).names  # nothing pairs them
 
 
 def test_cuda_space_adds_placement_graphs_and_kernels(small_graph):
@@ -52,10 +78,11 @@ def test_cuda_space_adds_placement_graphs_and_kernels(small_graph):
     assert dict((k.name, k.choices) for k in space.knobs)["pipeline.step_graphs"] == ("auto", "on")
 
 
-def test_knobs_under_other_knobs_are_suggested_only_when_they_matter(small_graph):
+def test_knobs_under_other_knobs_are_suggested_only_when_they_matter(small_graph, two_cores):
     space = space_for("tgn", small_graph, device="cuda")
     base = {"pipeline.prefetch_depth": 2, "sampler.threads": 0, "pipeline.stage_threads": 0,
-            "cache.placement": "device", "passes.cuda_graphs": "auto", "pipeline.step_graphs": "auto"}
+            "cache.placement": "device", "passes.cuda_graphs": "auto", "pipeline.step_graphs": "auto",
+            "sampler.reorder": "none", "sampler.pin_threads": False}
     base.update({k.name: k.choices[0] for k in space.knobs if k.name.startswith("kernels.")})
     on_device = space.suggest(optuna.trial.FixedTrial(base))
     assert "cache.budget_fraction" not in on_device and "cache.policy" not in on_device
@@ -74,7 +101,8 @@ def test_the_baseline_is_the_config_and_comes_first(small_graph):
     config.set("sampler.threads", 1)
     config.set("pipeline.prefetch_depth", 3)  # not among the usual choices: added, first
     space = space_for("tgat", small_graph, config=config)
-    assert space.baseline() == {"sampler.threads": 1, "sampler.hop_dedup": False,
+    assert space.baseline() == {"sampler.threads": 1, "sampler.reorder": "none",  # no placement: 1 thread
+                                "sampler.hop_dedup": config.sampler.hop_dedup,
                                 "pipeline.prefetch_depth": 3, "pipeline.stage_threads": 0}
     assert all(len(set(k.choices)) == len(k.choices) for k in space.knobs)
     applied = space.apply(config, space.baseline())
@@ -103,3 +131,83 @@ def test_a_refused_value_names_the_field(small_graph):
 def test_every_candidate_is_a_config_field():
     fields = {f"{group}.{name}" for group, values in Config().to_dict().items() for name in values}
     assert set(knob_fields()) <= fields
+
+
+# the fused ops of each reference model at the SMALL widths, by op@KxHxd: TGN's attention reads
+# 8-wide heads (memory and features), TGAT's and APAN's 4-wide (dim 8, 2 heads); every model
+# encodes time (JODIE its mail times only)
+FUSED_OPS = {"tgn": {"temporal_attention@10x2x8": 1, "time_encode@64x1x8": 3},
+             "tgat": {"temporal_attention@10x2x4": 2, "time_encode@64x1x8": 4},  # both layers: one shape
+             "jodie": {"time_encode@64x1x8": 1},
+             "apan": {"temporal_attention@10x2x4": 1, "time_encode@64x1x8": 2}}
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="the kernels' mapping is searched where triton is installed")
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(SMALL))
+def test_cuda_space_searches_the_mapping_per_fused_op(small_graph, name, two_cores):
+    """Built for a CUDA device: a knob per mapping field of each fused op at its shape, with
+    values that shape can run; the global mapping knobs are not searched."""
+    space = space_for(name, small_graph, device="cuda")
+    ops = {op.key: op for op in space.context.ops}
+    assert {key: len(op.where) for key, op in ops.items()} == FUSED_OPS[name]
+    per_op = [k for k in space.knobs if k.name.startswith("kernels.op_overrides[")]
+    assert len(per_op) == sum(len(op_choices(op)) for op in ops.values())
+    for op in ops.values():
+        mine = {k.name.rsplit(".", 1)[1]: k for k in per_op if k.name.startswith(f"kernels.op_overrides[{op.key}].")}
+        assert set(mine) == set(op_choices(op)) and set(mine) <= set(OP_OVERRIDE_FIELDS[op.op])
+        for field, knob in mine.items():
+            assert knob.choices[0] == ("auto" if field == "gather_eviction" else 0)  # the heuristic
+            for value in knob.choices[1:]:
+                cfg = space.apply(Config(), {knob.name: value})
+                with fconfig.patch(kernels__op_overrides=cfg.kernels.op_overrides):
+                    mapping = heuristic_config(*op.problem, op=op.op, row_tiles=op.op == "temporal_attention")
+                assert getattr(mapping, field) == ("" if value == "none" else value), (knob.name, value)
+        if op.op == "temporal_attention":
+            heads, dim = op.problem[1:]
+            assert max(mine["block_m"].choices) * next_power_of_2(next_power_of_2(heads) * dim) <= MAX_TILE
+            assert max(mine["heads_per_program"].choices) == next_power_of_2(heads)
+    assert ("kernels.attention_softmax" in space.names) == any(o.op == "temporal_attention" for o in ops.values())
+    assert not {"kernels.block_m", "kernels.rows_per_program", "kernels.num_warps"} & set(space.names)
+
+
+@needs_triton
+def test_per_op_values_become_one_op_overrides_value(small_graph, two_cores):
+    config = Config()
+    config.set("kernels.op_overrides", "temporal_attention@10x2x8:num_warps=4; masked_aggregate@3x1x8:block_k=2")
+    space = build_space(build_model("tgn", small_graph, **SMALL["tgn"]), small_graph, config, "cuda")
+    knobs = {k.name: k for k in space.knobs}
+    warps = "kernels.op_overrides[temporal_attention@10x2x8].num_warps"
+    assert knobs[warps].choices[0] == 4  # the config's own entry is the baseline
+    baseline = space.baseline()
+    assert space.values(baseline)["kernels.op_overrides"] == config.kernels.op_overrides  # unchanged
+    assert space.apply(config, baseline).to_dict() == config.to_dict()
+    params = {**baseline, warps: 2, "kernels.op_overrides[temporal_attention@10x2x8].block_m": 1,
+              "kernels.op_overrides[time_encode@64x1x8].num_stages": 3}
+    values = space.suggest(optuna.trial.FixedTrial(params))
+    assert not any(name.startswith("kernels.op_overrides[") for name in values)
+    assert fconfig.parse_op_overrides(values["kernels.op_overrides"]) == {
+        ("temporal_attention", (10, 2, 8)): {"num_warps": 2, "block_m": 1},
+        ("time_encode", (64, 1, 8)): {"num_stages": 3},
+        ("masked_aggregate", (3, 1, 8)): {"block_k": 2}}  # an entry of an op not found stays
+    params[warps] = 0  # the heuristic: the field leaves the entry
+    entries = fconfig.parse_op_overrides(space.values(params)["kernels.op_overrides"])
+    assert entries[("temporal_attention", (10, 2, 8))] == {"block_m": 1}
+    again = space_for("tgn", small_graph, device="cuda")  # another config, the same ops
+    assert {op.key for op in again.context.ops} == {op.key for op in space.context.ops}
+    other = build_space(build_model("tgn", small_graph, memory_dim=16, dim=16, time_dim=16), small_graph,
+                        Config(), "cuda")
+    assert {op.key for op in other.context.ops} == {"temporal_attention@10x2x16", "time_encode@64x1x16"}
+
+
+def test_finding_the_fused_ops_leaves_the_model_as_it_was(small_graph):
+    model = build_model("tgat", small_graph, **SMALL["tgat"])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ops = space_module.fused_ops(model, small_graph, Config())
+    assert [op.key for op in ops] == ["temporal_attention@10x2x4", "time_encode@64x1x8"]
+    assert all(v.equal(before[k]) for k, v in model.state_dict().items())
+    assert not hasattr(model, "fastopt_report")
+    config = Config()
+    config.set("passes.fuse_time_encoding", "off")  # the CUDA run would not fuse it: no knobs for it
+    assert [op.key for op in space_module.fused_ops(model, small_graph, config)] == ["temporal_attention@10x2x4"]

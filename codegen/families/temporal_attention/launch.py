@@ -150,13 +150,15 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
         dv = dv.to(v.dtype) if v_index is not None else dv
     elif _same_index(k_index, v_index) and k.shape[0] == v.shape[0] and k.dtype == v.dtype:
         dk, dv = segment_reduce(((ds_coef, q), (pd_coef, grad_out)), k_index, k.shape[0],
-                                k.dtype)
+                                k.dtype, op="temporal_attention")
     else:
         segments = Segments()
         if k_index is not None:
-            (dk,) = segment_reduce(((ds_coef, q),), k_index, k.shape[0], k.dtype, segments)
+            (dk,) = segment_reduce(((ds_coef, q),), k_index, k.shape[0], k.dtype, segments,
+                                   op="temporal_attention")
         if v_index is not None:
-            (dv,) = segment_reduce(((pd_coef, grad_out),), v_index, v.shape[0], v.dtype, segments)
+            (dv,) = segment_reduce(((pd_coef, grad_out),), v_index, v.shape[0], v.dtype, segments,
+                                   op="temporal_attention")
     return dq, dk, dv, dsq, dse
 
 
