@@ -9,9 +9,16 @@ are CUDA events recorded on the stream (one synchronize at the end of the window
 step); on the CPU, wall time. The value minimized is that median times the training batches of an
 epoch, so that trials of different batch sizes compare.
 
+Before its window, a trial whose model runs optimized (fused ops: on CUDA, the kernels under the
+trial's mapping) is checked against the eager model with the same weights on the epoch's first
+batch, outputs and parameter gradients against the float64 eager model
+(:func:`fastopt.benchmark.verify_against_eager`, :func:`check_against_eager`): a trial whose
+values give other results is pruned with the disagreement as its reason, so that it can never be
+the study's best.
+
 A trial that fails (a device out-of-memory, a kernel that does not compile, a combination the
-configuration refuses) is pruned, never ends the study: the reason is kept in the trial's user
-attribute ``failure``. Halfway through the window, a trial slower than the pruner allows (Optuna's
+configuration refuses, results that disagree with eager) is pruned, never ends the study: the
+reason is kept in the trial's user attribute ``failure``. Halfway through the window, a trial slower than the pruner allows (Optuna's
 median rule over earlier trials) is pruned too, with the reason in ``pruned``.
 """
 
@@ -30,10 +37,11 @@ import optuna
 import torch
 
 from fastopt.config import Config
-from fastopt.errors import ConfigError
+from fastopt.errors import ConfigError, FastOptError
 from fastopt.tuner.space import SearchSpace
 
-__all__ = ["Measurement", "StepObjective", "Window", "measure_window", "device_memory_limit"]
+__all__ = ["Measurement", "StepObjective", "Window", "check_against_eager", "measure_window",
+           "device_memory_limit"]
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,35 @@ def device_memory_limit(device: torch.device, limit_bytes: Optional[int]) -> Ite
         torch.cuda.set_per_process_memory_fraction(1.0, device)
 
 
+def check_against_eager(make_eager: Callable[[Config], Any]) -> Callable[[Any], Optional[float]]:
+    """A trial's check: its trainer's model, where it runs optimized, against an eager model
+    that ``make_eager`` builds for the trial's config and that gets the same weights and state.
+
+    The check runs :func:`fastopt.benchmark.verify_against_eager` on the first training batch:
+    outputs and parameter gradients against the eager model in float64, each within 1e-4
+    relative or 8x the float32 eager model's own error. It returns the largest error ratio to
+    eager's, None for a model that runs eager (nothing to compare), and raises
+    :class:`~fastopt.errors.FastOptError` naming the quantity that disagrees.
+    """
+    def check(trainer) -> Optional[float]:
+        from fastopt.benchmark import verify_against_eager
+
+        report = getattr(trainer.model, "fastopt_report", None)
+        if report is None or not report.changed:
+            return None
+        eager = make_eager(trainer.config).to(trainer.device)
+        eager.load_state_dict(trainer.model.state_dict())
+        batch = next(iter(trainer.plan("train", 0)))
+        inputs = trainer.build_inputs(batch.roots, batch.times)
+        try:
+            return verify_against_eager(trainer.model, eager, inputs)
+        except FastOptError as exc:
+            raise FastOptError(f"the trial's outputs or gradients disagree with eager ({exc}); its "
+                               f"values are never chosen") from None
+
+    return check
+
+
 def failure_reason(exc: BaseException) -> str:
     """The first line of an exception, with its type: what a pruned trial records."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
@@ -173,16 +210,20 @@ class StepObjective:
         window: the steps each trial runs.
         max_device_memory: bytes a trial may allocate on a CUDA device; a trial above it is
             pruned. Ignored on the CPU.
+        check: called with each trial's trainer before its window (:func:`check_against_eager`);
+            a trial whose check raises is pruned with the reason. None: no check.
 
     The trial's user attributes: ``worker`` (``host:pid`` of the process that ran it),
-    ``values`` (every value set, fixed ones included), ``step_seconds``, ``steps``, ``timing``,
-    ``peak_device_bytes``, and ``failure`` or ``pruned`` with the reason when pruned.
+    ``values`` (every value set, fixed ones included), ``verified`` (what the check returned),
+    ``step_seconds``, ``steps``, ``timing``, ``peak_device_bytes``, and ``failure`` or
+    ``pruned`` with the reason when pruned.
     """
 
     def __init__(self, space: SearchSpace, config: Config, make_trainer: Callable[[Config], Any],
-                 window: Window = Window(), max_device_memory: Optional[int] = None) -> None:
+                 window: Window = Window(), max_device_memory: Optional[int] = None,
+                 check: Optional[Callable[[Any], Optional[float]]] = None) -> None:
         self.space, self.config, self.make_trainer = space, config, make_trainer
-        self.window, self.max_device_memory = window, max_device_memory
+        self.window, self.max_device_memory, self.check = window, max_device_memory, check
 
     def __call__(self, trial: optuna.Trial) -> float:
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
@@ -193,6 +234,8 @@ class StepObjective:
             config = self.space.apply(self.config, values)
             trainer = self.make_trainer(config)
             with device_memory_limit(trainer.device, self.max_device_memory):
+                if self.check is not None:
+                    trial.set_user_attr("verified", self.check(trainer))
                 result = measure_window(trainer, self.window, lambda step, value: _prune_if_slow(trial, step, value))
             self._check_memory(result)
         except optuna.TrialPruned:

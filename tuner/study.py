@@ -19,7 +19,7 @@ import optuna
 import torch
 
 from fastopt.config import Config
-from fastopt.tuner.objective import StepObjective, Window, values_line
+from fastopt.tuner.objective import StepObjective, Window, check_against_eager, values_line
 from fastopt.tuner.records import TuningRecord, dataset_signature, device_identity, library_versions, now
 from fastopt.tuner.space import SearchSpace, build_space
 from fastopt.tuner.storage import StudyError, open_study
@@ -118,8 +118,10 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
     done = sum(t.state in FINISHED for t in study.trials)
     if done:
         say(f"fastopt tune: resuming study {name!r}: {done} trial(s) finished")
+    # a trial whose optimized model disagrees with eager is pruned before it is timed
+    check = check_against_eager(lambda cfg: build_model(model_name, graph, cfg))
     objective = StepObjective(space, config, make_trainer or default_trainer(model_name, graph), window,
-                              max_device_memory)
+                              max_device_memory, check)
     if trials > done:
         bar = progress_bar(None, "fastopt tune", progress, total=trials - done, leave=True)
         try:

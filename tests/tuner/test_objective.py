@@ -1,0 +1,91 @@
+"""A trial whose kernel values give results that disagree with eager is pruned, its reason kept,
+and never chosen: a wrong result is injected into the fused attention under one value of a
+per-op knob, on the CPU (the optimized model runs the reference operators there)."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+
+import fastopt.codegen
+import fastopt.tuner.study as study_module
+from fastopt.codegen.kernel_config import op_override
+from fastopt.config import Config
+from fastopt.tuner import Knob, SearchSpace, Window, tune
+from fastopt.tuner.space import space_context
+
+WINDOW = Window(warmup=1, timed=2)
+BAD = "kernels.op_overrides[temporal_attention@10x2x8].num_warps"  # TGN's attention at these widths
+
+
+@pytest.fixture
+def config() -> Config:
+    cfg = Config()
+    for name, value in {"train.device": "cpu", "train.optimize": "on", "model.memory_dim": 8, "model.dim": 8,
+                        "model.time_dim": 8, "sampler.threads": 1}.items():
+        cfg.set(name, value)
+    return cfg
+
+
+@pytest.fixture
+def one_knob(monkeypatch):
+    """tune's space: the attention's warps alone, 0 (the heuristic) for the baseline, 2 wrong."""
+    def build(model, graph, config, device, *, batch_sizes=None):
+        context = space_context(model, graph, config, device, batch_sizes)
+        return SearchSpace((Knob(BAD, (0, 2)),), {}, context, config.kernels.op_overrides)
+
+    monkeypatch.setattr(study_module, "build_space", build)
+
+
+def inject(monkeypatch, wrong):
+    """``fastopt.codegen.temporal_attention`` giving ``wrong(out)`` where the trial's mapping
+    of the attention sets num_warps=2: a kernel that is wrong under one thread mapping."""
+    real = fastopt.codegen.temporal_attention
+    calls = []
+
+    def attention(q, k, v, *args, **kwargs):
+        out = real(q, k, v, *args, **kwargs)
+        slots = (kwargs.get("k_index") if kwargs.get("k_index") is not None else k).shape[1]
+        warps = op_override("temporal_attention", (slots, q.shape[1], q.shape[2])).get("num_warps")
+        calls.append(warps)
+        return wrong(out) if warps == 2 else out
+
+    monkeypatch.setattr(fastopt.codegen, "temporal_attention", attention)
+    return calls
+
+
+@pytest.mark.parametrize("what", ["outputs", "gradients"])
+def test_a_trial_that_disagrees_with_eager_is_pruned_and_never_chosen(
+        small_graph, config, tmp_path, one_thread, monkeypatch, one_knob, wrong_backward, what):
+    wrong = (lambda out: out * 1.01) if what == "outputs" else wrong_backward.apply
+    calls = inject(monkeypatch, wrong)
+    lines = []
+    run = tune(small_graph, "tgn", config, trials=5, storage=str(tmp_path / "v.db"), study_name="v",
+               window=WINDOW, say=lines.append)
+    trials = run.study.trials
+    assert 2 in calls and None in calls  # both values ran through the fused attention
+    bad = [t for t in trials if t.params[BAD] == 2]
+    good = [t for t in trials if t.params[BAD] == 0]
+    assert bad and good and len(bad) + len(good) == len(trials) == 5
+    for t in bad:
+        assert t.state == optuna.trial.TrialState.PRUNED
+        reason = t.user_attrs["failure"]
+        assert reason.startswith("FastOptError: the trial's outputs or gradients disagree with eager")
+        assert ("output differs" if what == "outputs" else "grad ") in reason
+        assert "step_seconds" not in t.user_attrs  # stopped before its window
+    for t in good:  # checked, agreed (the largest error ratio to eager's), timed
+        assert t.state == optuna.trial.TrialState.COMPLETE and "failure" not in t.user_attrs
+        assert isinstance(t.user_attrs["verified"], float) and t.user_attrs["step_seconds"] > 0
+    assert any("disagree with eager" in line for line in lines)
+    assert run.record.values["kernels.op_overrides"] == ""  # the record holds a value that agreed
+    assert run.study.best_trial.params[BAD] == 0
+
+
+def test_a_model_that_runs_eager_is_not_checked(small_graph, config, tmp_path, one_thread, monkeypatch, one_knob):
+    config.set("train.optimize", "off")
+    calls = inject(monkeypatch, lambda out: out * 1.01)
+    run = tune(small_graph, "tgn", config, trials=2, storage=str(tmp_path / "e.db"), study_name="e",
+               window=WINDOW, say=lambda line: None)
+    assert not calls  # nothing fused: the knob changes nothing, and nothing is compared
+    assert all(t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs["verified"] is None
+               for t in run.study.trials)
