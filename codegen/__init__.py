@@ -17,6 +17,8 @@ Public surface (stable signatures; the fx passes rewrite onto these):
   generated matmuls when ``config.kernels.matmul_precision`` asks for them; the bias gradient by
   :func:`column_sum` with ``bias_grad="column_sum"``
 - :func:`column_sum` ``(x)``: ``x.sum(0)`` of a matrix, deterministic, by a generated kernel
+- :func:`row_sums` ``(values, index, table_rows, *, apart=0)``: the gradient of a gather
+  ``table[index]`` (per-row sums of the slots' rows), deterministic, by the segmented kernel
 - :func:`attention_mapping` ``(slots, heads, dim)``: the attention kernels' thread mapping for
   that shape, in words (for reports)
 - :func:`select_backend` ``(t)``: ``"triton"`` or ``"reference"`` for inputs where ``t`` is
@@ -40,6 +42,7 @@ from fastopt.codegen.families.column_sum import column_sum
 from fastopt.codegen.families.masked_aggregate import masked_aggregate
 from fastopt.codegen.families.edge_attention import edge_attention, edge_softmax_aggregate
 from fastopt.codegen.families.matmul import linear
+from fastopt.codegen.families.segment_reduce import row_sums
 from fastopt.codegen.families.temporal_attention import (dropout_seed, shared_attention,
                                                          temporal_attention)
 from fastopt.codegen.families.time_encode import time_encode
@@ -56,6 +59,7 @@ __all__ = [
     "time_encode",
     "linear",
     "column_sum",
+    "row_sums",
     "attention_mapping",
     "select_backend",
     "reference",

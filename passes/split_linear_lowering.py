@@ -271,10 +271,13 @@ def _product_over_parts(weight: Tensor, bias: Optional[Tensor], parts: Sequence[
 
 class _ProjectedRows(torch.autograd.Function):
     """``F.linear(rows[index], weight, bias)`` computed as ``F.linear(rows, weight, bias)[index]``
-    for rows that need no gradient. The backward forms the weight gradient from the gathered rows
-    (``grad^T rows[index]``, the product the unsplit projection computes) rather than scattering
-    the gradient onto the rows: a scatter-add serializes on rows that many slots share (every
-    padded slot reads one row), a gather and a product do not, and the sum stays in a fixed order."""
+    for rows that need no gradient. The weight gradient is ``(per-row sums of grad)^T rows``: the
+    slots' gradients summed per row by the deterministic segmented kernel
+    (:func:`~fastopt.codegen.families.segment_reduce.row_sums`, the padding row apart) and one
+    product over the unique rows, not the slots (TGAT: 143,360 slots, 49,152 rows). Where the
+    generated kernels do not run (the CPU by default), ``grad^T rows[index]``, the product the
+    unsplit projection computes: a scatter-add would serialize on the padding row, which every
+    padded slot reads."""
 
     @staticmethod
     def forward(ctx, rows: Tensor, index: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -286,7 +289,12 @@ class _ProjectedRows(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: Tensor):
         rows, index = ctx.saved_tensors
-        grad_w = grad.t() @ rows[index] if ctx.needs_input_grad[2] else None
+        grad_w = None
+        if ctx.needs_input_grad[2]:
+            if codegen.select_backend(grad) == "triton":
+                grad_w = codegen.row_sums(grad, index, rows.shape[0], apart=0).t() @ rows
+            else:
+                grad_w = grad.t() @ rows[index]
         grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
         return None, None, grad_w, grad_b
 

@@ -16,9 +16,10 @@ import torch
 from torch import Tensor
 
 from fastopt.codegen import kernels
+from fastopt.codegen.library import eager_kernels
 from fastopt.errors import KernelError
 
-__all__ = ["Segments", "segment_reduce"]
+__all__ = ["Segments", "row_sums", "segment_reduce"]
 
 
 class Segments:
@@ -29,16 +30,23 @@ class Segments:
     (``bincount`` on CUDA would read its maximum back to size the result). Keys are as narrow as
     the table allows, since the radix sort makes one pass per key byte: int16 up to 65,536 rows
     (shifted by -32,768 above 32,768, which keeps the order), int32 below 2**31, int64 beyond.
+
+    With ``apart``, that row's slots sort past the last row, outside every segment (its segment is
+    empty): a row thousands of slots share (the padding row every padded slot reads) would hold
+    its program, and the tile of rows beside it, for its whole length; the caller sums it apart.
     """
 
-    def __init__(self):
+    def __init__(self, apart: Optional[int] = None):
         self._cache = {}
+        self.apart = apart
 
     def of(self, index: Tensor, table_rows: int) -> Tuple[Tensor, Tensor]:
         key = (index.data_ptr(), tuple(index.shape), table_rows)
         if key not in self._cache:
-            key_dtype, shift = _sort_keys(table_rows)
+            key_dtype, shift = _sort_keys(table_rows + (self.apart is not None))
             flat = index.reshape(-1)
+            if self.apart is not None:
+                flat = torch.where(flat == self.apart, table_rows, flat)
             keys = (flat - shift if shift else flat).to(key_dtype)
             sorted_keys, perm = torch.sort(keys, stable=True)
             segptr = torch.empty(table_rows + 1, dtype=torch.int64, device=index.device)
@@ -108,3 +116,32 @@ def segment_reduce(terms: Sequence[Tuple[Tensor, Tensor]], index: Tensor, table_
     kernel.launch(kernel.cfg.tile_grid(table_rows, heads), *args, perm, segptr, table_rows)
     return outs
 
+
+def row_sums(values: Tensor, index: Tensor, table_rows: int, *, apart: int = 0) -> Tensor:
+    """``out[u] = values[index == u].sum(0)`` for ``values [S, d]`` and ``index [S]`` of rows
+    ``0 .. table_rows - 1``: the gradient of a gather ``table[index]``, deterministic (each row
+    sums its slots in sorted order, no atomics).
+
+    Row ``apart`` is summed by a matrix-vector product over all slots instead of in the segmented
+    kernel (see :class:`Segments`): the loader puts the padding row, which every padded slot reads,
+    first. Any row may be given; the result is the same.
+
+    Returns:
+        ``[table_rows, d]`` in ``values``' dtype.
+    """
+    if values.dim() != 2 or index.dim() != 1 or index.shape[0] != values.shape[0]:
+        raise KernelError(f"row_sums needs values [S, d] and index [S]; got values "
+                          f"{tuple(values.shape)} and index {tuple(index.shape)}")
+    if not 0 <= apart < table_rows:
+        raise KernelError(f"row_sums: apart={apart} is not a row of a table of {table_rows} rows; "
+                          f"pass a row id in [0, {table_rows})")
+    slots, dim = values.shape
+    if not eager_kernels(values, index):  # the reference: the same sums, in torch's order
+        return values.new_zeros(table_rows, dim).index_add_(0, index, values)
+    values = values.contiguous()
+    ones = torch.ones(slots, 1, 1, dtype=values.dtype, device=values.device)
+    (out,) = segment_reduce(((ones, values.view(slots, 1, dim)),), index.view(slots, 1), table_rows,
+                            values.dtype, Segments(apart=apart))
+    out = out.view(table_rows, dim)
+    torch.mv(values.t(), (index == apart).to(values.dtype), out=out[apart])
+    return out
