@@ -15,21 +15,28 @@ def git_commit() -> str:
 
 
 def write_record(path: str, **fields) -> None:
-    """Write a GPU benchmark's JSON record: date, GPU, versions, commit, command, then ``fields``."""
+    """Write a benchmark's JSON record: date, GPU (``None`` without CUDA, the CPU's name then in
+    ``cpu``), versions (triton ``None`` where it is not installed), commit, command, then
+    ``fields``."""
     import datetime
     import json
     import platform
     import sys
 
+    import importlib.util
+
     import torch
-    import triton
 
     import fastopt
 
+    cuda = torch.cuda.is_available()
+    triton = importlib.util.find_spec("triton") is not None and __import__("triton")
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-        "torch": torch.__version__, "triton": triton.__version__,
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "capability": list(torch.cuda.get_device_capability()) if cuda else None,
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__, "triton": triton.__version__ if triton else None,
         "python": platform.python_version(), "fastopt": fastopt.__version__,
         "git_commit": git_commit(), "command": " ".join([sys.executable, *sys.argv]), **fields,
     }

@@ -19,7 +19,9 @@ than ``"source_to_target"``, a subclass. Calls the replacement does not take run
 forward: ``return_attention_weights``, a ``SparseTensor`` or sparse ``edge_index``, a ``size``,
 bipartite input without destination features, registered propagate/message hooks, explain mode,
 decomposed layers, edge features a layer would ignore or reject. Attention dropout in training
-runs inside the kernel (equal in distribution to the layer's, not draw for draw).
+runs inside the kernel (equal in distribution to the layer's, not draw for draw). As the fx
+rewrites do, on the CPU with ``kernels.backend="auto"`` the layer runs its own code (faster there
+than the operators' references); ``"reference"`` runs the fused path's references there.
 
 Without ``torch_geometric`` the rules recognize nothing.
 """
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastopt import codegen
+from fastopt.config import default_config
 from fastopt.passes.module_rewrite import ModuleRewrite, shared_copy
 
 __all__ = ["FuseTransformerConv", "FuseGatConv", "FuseGatv2Conv", "pyg_conv_classes"]
@@ -57,8 +60,10 @@ def _hook_dicts(module: nn.Module) -> Tuple[str, ...]:
 
 
 def _plain_call(module: nn.Module, edge_index, x) -> bool:
-    """Whether a call can run fused: a dense ``[2, E]`` edge list, dense 2-d node features, no
-    propagate/message hooks, no explain mode, no decomposed layers."""
+    """Whether a call runs fused: where the generated kernels run (``kernels.backend="auto"`` on
+    the CPU runs the layer's own code, faster there than the operators' references), with a dense
+    ``[2, E]`` edge list, dense 2-d node features, no propagate/message hooks, no explain mode,
+    no decomposed layers."""
     if not (isinstance(edge_index, Tensor) and edge_index.layout == torch.strided
             and edge_index.dim() == 2 and edge_index.shape[0] == 2
             and not edge_index.is_floating_point()):
@@ -68,6 +73,8 @@ def _plain_call(module: nn.Module, edge_index, x) -> bool:
                                       and t.layout == torch.strided for t in xs)):
         return False
     if getattr(module, "explain", False) or getattr(module, "decomposed_layers", 1) > 1:
+        return False
+    if default_config().kernels.backend == "auto" and codegen.select_backend(xs[0]) != "triton":
         return False
     return not any(getattr(module, name) for name in _hook_dicts(module))
 

@@ -122,6 +122,9 @@ def edge_attention(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, *,
     """
     edges = _check(q, k, v, dst, k_index, v_index)
     rows = q.shape[0]
+    if edges == 0:
+        # zeros that stay connected to q, k and v (zero gradients, as the sum over no edge has)
+        return q.new_zeros(q.shape) + (q[:0].sum() + k[:0].sum() + v[:0].sum())
     indptr, slot_edge = edge_slots(dst, rows)
     if not _padded(edges, rows, slot_edge):
         return reference_edge_attention(q, k, v, dst, k_index=k_index, v_index=v_index,

@@ -23,16 +23,21 @@ after epoch ``e`` uses key ``e``), so both systems draw negatives the same way. 
 positives of a split against their negatives (:func:`fastopt.metrics.average_precision`,
 :func:`fastopt.metrics.roc_auc`), as fastopt's trainer does.
 
+``run_pyg_tgn(..., modules=fastopt.optimize)`` hands the memory and the embedding module to a
+function (``fastopt.optimize``) and trains what it returns, nothing else changed;
+:func:`verify_modules` checks such a function against the unmodified example on real batches.
+
 ``torch_geometric`` is optional: it is imported when :func:`run_pyg_tgn` is called, and a missing
 install raises :class:`~fastopt.errors.FastOptError` naming ``pip install "fastopt[pyg]"``.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -44,7 +49,7 @@ from fastopt.metrics import average_precision, roc_auc
 if TYPE_CHECKING:
     from fastopt.data import TemporalGraph
 
-__all__ = ["run_pyg_tgn"]
+__all__ = ["run_pyg_tgn", "verify_modules"]
 
 LEARNING_RATE = 1e-4
 """Adam's learning rate in PyG's example."""
@@ -55,7 +60,8 @@ _SPLIT_IDS = {"train": 0, "val": 1, "test": 2}
 
 def run_pyg_tgn(graph, *, batch_size: int = 600, epochs: int = 1, device="cpu", seed: int = 0,
                 memory_dim: int = 100, time_dim: int = 100, embedding_dim: int = 100,
-                neighbors: int = 10, progress: bool = False) -> dict:
+                neighbors: int = 10, progress: bool = False,
+                modules: Optional[Callable[[nn.Module], nn.Module]] = None) -> dict:
     """Train PyG's TGN on ``graph`` for ``epochs`` and evaluate after each epoch.
 
     Args:
@@ -70,6 +76,9 @@ def run_pyg_tgn(graph, *, batch_size: int = 600, epochs: int = 1, device="cpu", 
         embedding_dim: width of the attention embedding (even: split over 2 heads).
         neighbors: most recent interactions kept per node by ``LastNeighborLoader``.
         progress: show tqdm progress bars.
+        modules: applied to the memory (``TGNMemory``) and to the embedding module (time
+            encoding and ``TransformerConv``) once built; the model trains what it returns
+            (``fastopt.optimize``: the optimized modules, sharing the parameters).
 
     Returns:
         ``{"epoch_seconds": [float], "loss": [float], "val": {"ap", "auc"}, "test": {"ap", "auc"},
@@ -100,6 +109,8 @@ def run_pyg_tgn(graph, *, batch_size: int = 600, epochs: int = 1, device="cpu", 
     stream = _EventStream.from_graph(graph, dev)
     model = _TGN(pyg, graph.num_nodes, stream.msg.size(1), memory_dim=memory_dim, time_dim=time_dim,
                  embedding_dim=embedding_dim, neighbors=neighbors, device=dev)
+    if modules is not None:
+        model.apply_to_modules(modules)
     optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
     criterion = nn.BCEWithLogitsLoss()
     negatives = _Negatives(graph.destination_pool(), seed)
@@ -119,14 +130,7 @@ def run_pyg_tgn(graph, *, batch_size: int = 600, epochs: int = 1, device="cpu", 
             neg = negatives.draw(stop - start, epoch, "train", b, dev)
             if dev.type != "cpu":
                 h2d_bytes += neg.nbytes
-            optimizer.zero_grad()
-            pos_out, neg_out = model.score(stream, start, stop, neg)
-            loss = (criterion(pos_out, torch.ones_like(pos_out))
-                    + criterion(neg_out, torch.zeros_like(neg_out)))
-            model.observe(stream, start, stop)
-            loss.backward()
-            optimizer.step()
-            model.memory.detach()
+            loss, _ = _train_step(model, optimizer, criterion, stream, start, stop, neg)
             total_loss += float(loss.detach()) * (stop - start)
             total_events += stop - start
         if on_cuda:
@@ -144,6 +148,85 @@ def run_pyg_tgn(graph, *, batch_size: int = 600, epochs: int = 1, device="cpu", 
         "peak_device_bytes": int(torch.cuda.max_memory_allocated(dev)) if on_cuda else 0,
         "loss": losses,
     }
+
+
+def _train_step(model: "_TGN", optimizer, criterion, stream: "_EventStream", start: int, stop: int,
+                neg: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """One step of the example: score, loss, memory and neighbor update, backward, Adam."""
+    optimizer.zero_grad()
+    pos_out, neg_out = model.score(stream, start, stop, neg)
+    loss = (criterion(pos_out, torch.ones_like(pos_out))
+            + criterion(neg_out, torch.zeros_like(neg_out)))
+    model.observe(stream, start, stop)
+    loss.backward()
+    optimizer.step()
+    model.memory.detach()
+    return loss, (pos_out, neg_out)
+
+
+def verify_modules(graph, modules: Callable[[nn.Module], nn.Module], *, batch_size: int = 600,
+                   steps: int = 5, device="cpu", seed: int = 0, **sizes: int) -> dict:
+    """Train the example and its copy with ``modules`` applied side by side for ``steps`` batches.
+
+    Both start from the same parameters and see the same batches and negatives; attention
+    dropout is off (the layers in eval mode) so that both are deterministic, the memory trains
+    as in the example. After each step the logits, every parameter's gradient, the memory and
+    its last-update times are compared (float32 tolerance: ``1e-5 + 1e-4 * |eager|``, gradients
+    against ``1e-5 *`` their largest element).
+
+    Returns:
+        ``{"ok": bool, "steps": int, "largest": {"logits", "gradients", "memory"}: float,
+        "first_mismatch": str or None}``.
+    """
+    pyg = _import_pyg()
+    _check_args(batch_size=batch_size, steps=steps, **{**dict(memory_dim=100, time_dim=100,
+                embedding_dim=100, neighbors=10), **sizes})
+    dev = torch.device(device)
+    torch.manual_seed(seed)
+    stream = _EventStream.from_graph(graph, dev)
+    eager = _TGN(pyg, graph.num_nodes, stream.msg.size(1), device=dev,
+                 **{**dict(memory_dim=100, time_dim=100, embedding_dim=100, neighbors=10), **sizes})
+    other = copy.deepcopy(eager)
+    other.apply_to_modules(modules)
+    negatives = _Negatives(graph.destination_pool(), seed)
+    largest = {"logits": 0.0, "gradients": 0.0, "memory": 0.0}
+    mismatch = None
+    runs = []
+    for model in (eager, other):
+        model.reset_state()
+        model.train()
+        model.gnn.eval()
+        runs.append((model, torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)))
+    criterion = nn.BCEWithLogitsLoss()
+    done = 0
+    for b, start, stop in _batches(graph, "train", batch_size):
+        if done == steps:
+            break
+        neg = negatives.draw(stop - start, 0, "train", b, dev)
+        (_, want), (_, got) = (_train_step(m, opt, criterion, stream, start, stop, neg)
+                               for m, opt in runs)
+        checks = [("logits", f"logits of batch {b}", g, w) for g, w in zip(got, want)]
+        for (name, p), q in zip(eager.named_parameters(), other.parameters()):
+            checks.append(("gradients", f"gradient of {name} at batch {b}", q.grad, p.grad))
+        checks += [("memory", f"memory after batch {b}", other.memory.memory, eager.memory.memory),
+                   ("memory", f"last_update after batch {b}", other.memory.last_update,
+                    eager.memory.last_update)]
+        for kind, what, g, w in checks:
+            if (g is None) != (w is None):
+                mismatch = mismatch or f"{what}: one side has none"
+                continue
+            if g is None:
+                continue
+            g, w = g.detach(), w.detach()
+            diff = float((g.double() - w.double()).abs().max()) if w.numel() else 0.0
+            scale = float(w.double().abs().max()) if kind == "gradients" and w.numel() else 1.0
+            largest[kind] = max(largest[kind], diff)
+            bound = (1e-5 * max(scale, 1.0) if kind == "gradients" else 1e-5) \
+                + 1e-4 * float(w.double().abs().max() if w.numel() else 0.0)
+            if diff > bound and mismatch is None:
+                mismatch = f"{what}: largest difference {diff:.3g} > {bound:.3g}"
+        done += 1
+    return {"ok": mismatch is None, "steps": done, "largest": largest, "first_mismatch": mismatch}
 
 
 # --------------------------------------------------------------------------------- PyG import
@@ -287,6 +370,12 @@ class _TGN(nn.Module):
         self.loader = pyg.LastNeighborLoader(num_nodes, size=neighbors, device=device)
         # global node id -> row of the batch's embedding matrix
         self._assoc = torch.empty(num_nodes, dtype=torch.long, device=device)
+
+    def apply_to_modules(self, modules: Callable[[nn.Module], nn.Module]) -> None:
+        """Swap the memory and the embedding module for ``modules(memory)`` and
+        ``modules(gnn)`` (the embedding's time encoder stays the memory's)."""
+        self.memory = modules(self.memory)
+        self.gnn = modules(self.gnn)
 
     def reset_state(self) -> None:
         self.memory.reset_state()

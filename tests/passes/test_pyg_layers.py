@@ -70,7 +70,7 @@ def _run(layer, x, edge_index, edge_attr, grad):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name", sorted(LAYERS))
-def test_layer_matches_the_original(name, dtype):
+def test_layer_matches_the_original(name, dtype, reference_backend):
     torch.manual_seed(0)
     layer = LAYERS[name]().to(dtype).eval()  # eval: dropout off, so both are deterministic
     original = copy.deepcopy(layer)
@@ -95,8 +95,7 @@ def test_layer_matches_the_original(name, dtype):
             torch.testing.assert_close(a, b, **tol)
 
 
-@pytest.mark.parametrize("backend", ["auto", "reference"])
-def test_replacement_runs_the_fused_operator(monkeypatch, backend):
+def test_replacement_runs_the_fused_operator(monkeypatch, reference_backend):
     """The fused forward is what runs, not the layer's propagate (the generated kernels behind
     the operator are tested on the interpreter in tests/codegen/test_edge_attention.py)."""
     layer = LAYERS["transformer"]().eval()
@@ -104,12 +103,21 @@ def test_replacement_runs_the_fused_operator(monkeypatch, backend):
     x, edge_index, edge_attr = _graph()
     want = layer(x, edge_index, edge_attr)
     monkeypatch.setattr(type(layer), "propagate", lambda *a, **kw: pytest.fail("propagate ran"))
-    with fconfig.patch(kernels__backend=backend):
-        got = fast(x, edge_index, edge_attr)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast(x, edge_index, edge_attr), want, rtol=1e-4, atol=1e-5)
 
 
-def test_training_dropout_keeps_rows_stochastic_and_empty_rows_zero():
+def test_on_the_cpu_auto_runs_the_layers_own_code(monkeypatch):
+    layer = LAYERS["gatv2"]().eval()
+    fast = fastopt.optimize(copy.deepcopy(layer))
+    x, edge_index, edge_attr = _graph()
+    from fastopt.passes import pyg_conv
+
+    monkeypatch.setattr(pyg_conv, "gatv2_conv", lambda *a: pytest.fail("the fused path ran"))
+    with fconfig.patch(kernels__backend="auto"):
+        torch.testing.assert_close(fast(x, edge_index, edge_attr), layer(x, edge_index, edge_attr))
+
+
+def test_training_dropout_keeps_rows_stochastic_and_empty_rows_zero(reference_backend):
     torch.manual_seed(0)
     layer = GATConv(IN, 4, heads=2, dropout=0.5, add_self_loops=False, bias=False).train()
     fast = fastopt.optimize(layer)
@@ -143,7 +151,7 @@ def test_a_subclass_is_left_alone_and_reported():
     assert any("MyConv subclasses TransformerConv" in a.reason for a in report.left_alone)
 
 
-def test_per_call_options_run_the_original_forward():
+def test_per_call_options_run_the_original_forward(reference_backend):
     torch.manual_seed(0)
     layer = LAYERS["gat"]().eval()
     fast = fastopt.optimize(copy.deepcopy(layer))
@@ -157,7 +165,7 @@ def test_per_call_options_run_the_original_forward():
     torch.testing.assert_close(sizes, layer(x, edge_index, edge_attr, size=(NODES, NODES)))
 
 
-def test_layers_inside_a_model_are_found_and_share_parameters():
+def test_layers_inside_a_model_are_found_and_share_parameters(reference_backend):
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()

@@ -1,0 +1,210 @@
+"""Benchmark: PyG's TGN example, unmodified vs with ``fastopt.optimize`` on its memory and embedding.
+
+In one process on one device (``--device``), on ``--dataset`` (default the shipped wikipedia
+with 172-d random edge features) at ``--batch-size`` (600):
+
+1. **check**: the example and its copy with ``fastopt.optimize`` applied to the memory and the
+   embedding module train side by side for ``--verify-steps`` batches from the same parameters;
+   logits, every parameter gradient, the memory and the last-update times must agree within
+   float32 tolerance (:func:`fastopt.baselines.pyg_tgn.verify_modules`);
+2. **TransformerConv forward+backward** at the example's sizes (the neighbor graph of training
+   batch ``--conv-batch`` from PyG's ``LastNeighborLoader``: the batch's nodes and their last 10
+   neighbors; 100-d inputs, 2 heads of 50, 272-d edge features): eager vs the optimized layer,
+   checked in eval mode (outputs, input and parameter gradients), then timed in training mode
+   (dropout on) over ``--iters`` steps after ``--warmup`` (median; CUDA synchronized around
+   each step on a GPU);
+3. **epochs**: the example trained for ``--epochs`` epochs unmodified, then with
+   ``fastopt.optimize(memory)`` and ``fastopt.optimize(gnn)`` (nothing else changed): seconds
+   per training epoch and test AP after the last epoch
+   (:func:`fastopt.baselines.pyg_tgn.run_pyg_tgn`).
+
+Prints a table, writes JSON (``--json``: date, device, versions, commit, command, every
+figure), and exits with status 1 when a check fails (nothing is timed after a failed check)::
+
+    python bench/pyg_tgn.py --device cuda --epochs 5 --json bench/results/pyg-tgn-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+
+import torch
+
+import fastopt
+from _meta import write_record
+from fastopt.baselines.pyg_tgn import run_pyg_tgn, verify_modules
+from fastopt.data import TemporalGraph, load_dataset
+from fastopt.errors import FastOptError
+
+IN_CHANNELS, HEADS, HEAD_DIM, TIME_DIM = 100, 2, 50, 100
+
+
+def _graph(args) -> TemporalGraph:
+    g = load_dataset(args.dataset, edge_dim=args.edge_dim)
+    if args.events and args.events < g.num_events:
+        feat = None if g.edge_feat is None else g.edge_feat[:args.events]
+        g = TemporalGraph(g.src[:args.events], g.dst[:args.events], g.ts[:args.events],
+                          g.num_nodes, edge_feat=feat, name=f"{g.name}-head{args.events}")
+    return g
+
+
+def _conv_inputs(graph: TemporalGraph, args, device: torch.device):
+    """The example's TransformerConv inputs at training batch ``args.conv_batch``."""
+    import torch_geometric.nn.models.tgn as tgn
+
+    loader_cls = getattr(tgn, "LastNeighborLoader", None)
+    if loader_cls is None:
+        from torch_geometric.loader import LastNeighborLoader as loader_cls
+    loader = loader_cls(graph.num_nodes, size=10, device=device)
+    src = torch.from_numpy(graph.src).to(device)
+    dst = torch.from_numpy(graph.dst).to(device)
+    train = graph.split_range("train")
+    starts = list(range(train.start, train.stop, args.batch_size))
+    batch = min(args.conv_batch, len(starts) - 1)
+    for start in starts[:batch]:
+        stop = min(start + args.batch_size, train.stop)
+        loader.insert(src[start:stop], dst[start:stop])
+    start = starts[batch]
+    stop = min(start + args.batch_size, train.stop)
+    g = torch.Generator().manual_seed(args.seed)
+    pool = torch.from_numpy(graph.destination_pool())
+    neg = pool[torch.randint(0, pool.numel(), (stop - start,), generator=g)].to(device)
+    n_id = torch.cat([src[start:stop], dst[start:stop], neg]).unique()
+    n_id, edge_index, _ = loader(n_id)
+    edge_dim = (graph.edge_feat.shape[1] if graph.edge_feat is not None else 1) + TIME_DIM
+    x = torch.randn(n_id.numel(), IN_CHANNELS, generator=g).to(device)
+    edge_attr = torch.randn(edge_index.shape[1], edge_dim, generator=g).to(device)
+    return x, edge_index, edge_attr
+
+
+def _step(conv, x, edge_index, edge_attr):
+    xs, ea = x.detach().requires_grad_(), edge_attr.detach().requires_grad_()
+    out = conv(xs, edge_index, ea)
+    grads = torch.autograd.grad(out, [xs, ea, *conv.parameters()], torch.ones_like(out))
+    return out, grads
+
+
+def _check_conv(eager, fast, inputs) -> tuple:
+    """Largest differences of output and gradients (eval mode), and the first beyond tolerance."""
+    eager.eval()
+    fast.eval()
+    want, want_grads = _step(eager, *inputs)
+    got, got_grads = _step(fast, *inputs)
+    largest, bad = 0.0, None
+    for what, g, w in [("output", got, want), *((f"gradient {i}", a, b) for i, (a, b) in
+                                                enumerate(zip(got_grads, want_grads)))]:
+        diff = float((g.detach().double() - w.detach().double()).abs().max())
+        top = float(w.detach().double().abs().max())
+        bound = (1e-5 * max(top, 1.0) if what != "output" else 1e-5) + 1e-4 * top
+        largest = max(largest, diff)
+        if diff > bound and bad is None:
+            bad = f"{what}: largest difference {diff:.3g} > {bound:.3g}"
+    return largest, bad
+
+
+def _time_conv(conv, inputs, args, device) -> float:
+    conv.train()
+    times = []
+    for i in range(args.warmup + args.iters):
+        conv.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = conv(*inputs)
+        out.sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _steady(seconds: list) -> float:
+    return statistics.median(seconds[1:] if len(seconds) > 1 else seconds)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dataset", default="wikipedia")
+    parser.add_argument("--edge-dim", type=int, default=172)
+    parser.add_argument("--events", type=int, default=0, help="only the first N events (0: all)")
+    parser.add_argument("--batch-size", type=int, default=600)
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--verify-steps", type=int, default=5)
+    parser.add_argument("--conv-batch", type=int, default=100)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--skip-epochs", action="store_true", help="check and time the layer only")
+    parser.add_argument("--json", help="write the record to this JSON file")
+    args = parser.parse_args(argv)
+    for name in ("batch_size", "epochs", "iters", "verify_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    device = torch.device(args.device)
+    try:
+        graph = _graph(args)
+    except FastOptError as exc:
+        parser.error(str(exc))
+    record = {"dataset": graph.name, "events": graph.num_events, "batch_size": args.batch_size,
+              "device": str(device)}
+
+    check = verify_modules(graph, fastopt.optimize, batch_size=args.batch_size,
+                           steps=args.verify_steps, device=device, seed=args.seed)
+    record["model_check"] = check
+    print(f"model check ({check['steps']} training steps): "
+          f"{'ok' if check['ok'] else 'FAILED: ' + check['first_mismatch']}; largest differences "
+          + ", ".join(f"{k} {v:.3g}" for k, v in check["largest"].items()))
+
+    from torch_geometric.nn import TransformerConv
+
+    torch.manual_seed(args.seed)
+    inputs = _conv_inputs(graph, args, device)
+    eager = TransformerConv(IN_CHANNELS, HEAD_DIM, heads=HEADS, dropout=0.1,
+                            edge_dim=inputs[2].shape[1]).to(device)
+    fast = fastopt.optimize(copy.deepcopy(eager))
+    largest, bad = _check_conv(eager, fast, inputs)
+    conv = {"nodes": inputs[0].shape[0], "edges": inputs[1].shape[1],
+            "edge_dim": inputs[2].shape[1], "largest_difference": largest, "ok": bad is None,
+            "mismatch": bad, "report": str(fast.fastopt_report)}
+    record["transformer_conv"] = conv
+    print(f"TransformerConv check ({conv['nodes']} nodes, {conv['edges']} edges): "
+          f"{'ok' if bad is None else 'FAILED: ' + bad}; largest difference {largest:.3g}")
+    failed = not check["ok"] or bad is not None
+    if not failed:
+        conv["eager_ms"] = _time_conv(eager, inputs, args, device)
+        conv["fastopt_ms"] = _time_conv(fast, inputs, args, device)
+        conv["speedup"] = conv["eager_ms"] / conv["fastopt_ms"]
+        print(f"TransformerConv forward+backward: eager {conv['eager_ms']:.3f} ms, fastopt "
+              f"{conv['fastopt_ms']:.3f} ms ({conv['speedup']:.2f}x)")
+
+    if not failed and not args.skip_epochs:
+        runs = {}
+        for label, modules in (("pyg", None), ("fastopt", fastopt.optimize)):
+            runs[label] = run_pyg_tgn(graph, batch_size=args.batch_size, epochs=args.epochs,
+                                      device=device, seed=args.seed, modules=modules)
+        record["epochs"] = runs
+        steady = {k: _steady(v["epoch_seconds"]) for k, v in runs.items()}
+        record["epoch_speedup"] = steady["pyg"] / steady["fastopt"]
+        record["test_ap_points"] = 100 * (runs["fastopt"]["test"]["ap"] - runs["pyg"]["test"]["ap"])
+        print(f"\n{'':10s} {'s / epoch (steady)':>20s} {'first epoch':>12s} "
+              f"{'test AP (' + str(args.epochs) + ' ep.)':>18s}")
+        for label, run in runs.items():
+            print(f"{label:10s} {steady[label]:20.3f} {run['epoch_seconds'][0]:12.3f} "
+                  f"{run['test']['ap']:18.4f}")
+        print(f"epoch speedup {record['epoch_speedup']:.2f}x; test AP fastopt minus PyG "
+              f"{record['test_ap_points']:+.2f} points")
+
+    if args.json:
+        write_record(args.json, **record)
+        print(f"wrote {args.json}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""bench/pyg_tgn.py and the check it rests on (``verify_modules``): pass on the optimized
+modules, fail with status 1 on a wrong one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("torch_geometric")
+
+import fastopt  # noqa: E402
+import fastopt.config as fconfig  # noqa: E402
+from bench_scripts import load  # noqa: E402
+from fastopt.baselines.pyg_tgn import verify_modules  # noqa: E402
+from fastopt.data import load_dataset  # noqa: E402
+
+EVENTS = 3000
+
+
+@pytest.fixture(autouse=True)
+def fused_on_the_cpu():
+    """The fused paths' references on the CPU (``auto`` runs the layers' own code there)."""
+    with fconfig.patch(kernels__backend="reference"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def small():
+    from fastopt.data import TemporalGraph
+
+    g = load_dataset("wikipedia", edge_dim=8)
+    return TemporalGraph(g.src[:EVENTS], g.dst[:EVENTS], g.ts[:EVENTS], g.num_nodes,
+                         edge_feat=g.edge_feat[:EVENTS], name="wikipedia-head")
+
+
+def _wrong(module):
+    """fastopt.optimize, then a memory whose GRU input is off by a little."""
+    out = fastopt.optimize(module)
+    if hasattr(out, "gru"):
+        gru = out.gru
+        original = gru.forward
+        gru.forward = lambda x, h: original(x * 1.001, h)
+    return out
+
+
+def test_verify_modules_accepts_fastopt_and_rejects_a_wrong_memory(small):
+    ok = verify_modules(small, fastopt.optimize, batch_size=200, steps=4, memory_dim=16,
+                        time_dim=8, embedding_dim=16)
+    assert ok["ok"] and ok["steps"] == 4, ok
+    bad = verify_modules(small, _wrong, batch_size=200, steps=4, memory_dim=16, time_dim=8,
+                         embedding_dim=16)
+    assert not bad["ok"] and bad["first_mismatch"], bad
+
+
+def _args(tmp_path):
+    return ["--device", "cpu", "--events", str(EVENTS), "--edge-dim", "8", "--batch-size", "200",
+            "--epochs", "1", "--iters", "1", "--warmup", "0", "--conv-batch", "3",
+            "--verify-steps", "2", "--json", str(tmp_path / "out.json")]
+
+
+def test_bench_passes_and_records(tmp_path):
+    script = load("pyg_tgn")
+    assert script.main(_args(tmp_path)) == 0
+    record = json.loads((tmp_path / "out.json").read_text())
+    assert record["model_check"]["ok"] and record["transformer_conv"]["ok"]
+    assert record["transformer_conv"]["eager_ms"] > 0 and record["epoch_speedup"] > 0
+    assert set(record["epochs"]) == {"pyg", "fastopt"}
+    assert "git_commit" in record and record["gpu"] is None
+
+
+def test_bench_fails_on_a_wrong_layer(tmp_path, monkeypatch):
+    script = load("pyg_tgn")
+    from fastopt.passes import pyg_conv
+
+    real = pyg_conv.transformer_conv
+    monkeypatch.setattr(pyg_conv, "transformer_conv", lambda *a: real(*a) * 1.001)
+    assert script.main(_args(tmp_path)) == 1
+    record = json.loads((tmp_path / "out.json").read_text())
+    assert not record["model_check"]["ok"] or not record["transformer_conv"]["ok"]
+    assert "epochs" not in record
