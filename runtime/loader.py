@@ -56,6 +56,7 @@ from fastopt.config import Config
 from fastopt.errors import ConfigError
 from fastopt.runtime.blocks import SampledBatch, Unique
 from fastopt.runtime.inputs import GraphInputs, HighWater
+from fastopt.runtime.streams import copy_stream
 from fastopt.runtime.timing import StageTimer
 
 __all__ = ["EventBatch", "Loader", "NegativeSampler", "StageTimer", "SPLIT_IDS"]
@@ -155,7 +156,7 @@ class Loader:
         self.negatives = NegativeSampler(graph.destination_pool(), config.train.seed)
         self.dedup = bool(config.sampler.dedup)
         self.placement = self._placement()
-        self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._copy_stream = copy_stream(self.device) if self.cuda else None
         self.node_table = self._table(graph.node_feat)
         self.edge_table = self._table(graph.edge_feat)
         self.cache = None

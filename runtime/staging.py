@@ -10,7 +10,7 @@ On the CPU the same code runs without pinning, streams or copies: the staged row
 place, which is safe because a buffer is refilled only two batches later, after its batch has
 been consumed.
 
-Layering: imports nothing of fastopt.
+Layering: imports nothing of fastopt but the copy stream (:mod:`fastopt.runtime.streams`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+
+from fastopt.runtime.streams import copy_stream
 
 __all__ = ["HostGatherer", "StagingBuffers", "TransferStream"]
 
@@ -125,7 +127,7 @@ class TransferStream:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device) if self.is_cuda else None
+        self.stream = copy_stream(device) if self.is_cuda else None
 
     def upload(self, host: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], Optional[torch.cuda.Event]]:
         """Start copying ``host`` tensors (pinned) to the device; returns them and the copy's event."""

@@ -145,3 +145,21 @@ def test_dropout_draws_fresh_masks_at_every_replay():
     for i in range(1, 5):  # the first call ran eagerly; the others are the capture's run and replays
         for j in range(i):
             assert not torch.equal(outs[i], outs[j]), (i, j)
+
+
+def test_the_copy_stream_is_never_a_capture_stream(small_graph):
+    """torch's side streams come from a pool of 32, round robin: after 32 more draws a loader's
+    copy stream drawn there is a graph capture's stream again, its staging thread's copies join
+    the capture, and waiting on their event fails ("invalid argument", seen in the suite run
+    with other tests' streams drawn first). The copy stream is not from that pool."""
+    from fastopt.runtime.streams import copy_stream
+
+    cfg = Config()
+    cfg.train.device, cfg.train.batch_size, cfg.train.mrr_negatives = "cuda", 200, 0
+    cfg.train.optimize, cfg.pipeline.step_graphs = "on", "on"
+    t = Trainer(build_model("tgn", small_graph, memory_dim=16, dim=16, time_dim=8), small_graph, cfg, progress=False)
+    drawn = {torch.cuda.Stream().cuda_stream for _ in range(64)}  # every stream of the pool
+    assert t.loader._copy_stream.cuda_stream not in drawn
+    assert copy_stream(torch.device("cuda")).cuda_stream == t.loader._copy_stream.cuda_stream
+    t.fit(1)  # a capture on a pool stream while the loader copies
+    assert t._step_graphs.captures >= 1 and t._step_graphs.disabled is None
