@@ -249,7 +249,11 @@ class Loader:
         if not self.cuda:
             return ids
         length = self.high_water(f"{kind}/{roots}", ids.numel())
-        return torch.cat([ids, ids.new_zeros(length - ids.numel())]) if length > ids.numel() else ids
+        if length == ids.numel():
+            return ids
+        padded = np.zeros(length, dtype=ids.numpy().dtype)
+        padded[:ids.numel()] = ids.numpy()
+        return torch.from_numpy(padded)
 
     def _unique_edge_ids(self, batch: EventBatch, ints: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
         """The batch's unique edge ids (padded, ``-1`` as edge 0) and, in ``ints``, the inverse over
@@ -258,7 +262,7 @@ class Loader:
         if u is None:
             return None
         ints["edge_inverse"] = u.inverse.reshape(-1)
-        return self._padded(u.values.clamp(min=0), "edges", batch.sampled.roots.numel())
+        return self._padded(torch.from_numpy(np.maximum(u.values.numpy(), 0)), "edges", batch.sampled.roots.numel())
 
     # ------------------------------------------------------------------------ staging
     def stage(self, batch: EventBatch, roots: Optional[np.ndarray] = None,
@@ -346,7 +350,7 @@ class Loader:
                     moved = [t.to(self.device, non_blocking=True) for t in tensors]
                 else:  # one dtype per group (the loader builds them so)
                     flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=True)
-                    torch.cat([t.reshape(-1) for t in tensors], out=flat)
+                    np.concatenate([t.numpy().reshape(-1) for t in tensors], out=flat.numpy())
                     dev = flat.to(self.device, non_blocking=True)
                     moved = [piece.view(t.shape) for piece, t in
                              zip(torch.split(dev, [t.numel() for t in tensors]), tensors)]
@@ -464,12 +468,15 @@ def _set_inverse(inverse: torch.Tensor, num_roots: int, blocks) -> torch.Tensor:
     the node sets: a merged layer's set reads the inverse of the slot each of its rows came from."""
     if all(b.nbr_rows is None for b in blocks):
         return inverse
+    # NumPy, not torch: small host arrays on a staging thread, where torch's operators pay their
+    # dispatch and its intra-op thread pool contends with the sampler's threads (8x here)
+    inverse = inverse.numpy()
     parts, start = [inverse[:num_roots]], num_roots
     for block in blocks:
         seg = inverse[start:start + block.mask.numel()]
         start += block.mask.numel()
-        parts.append(seg if block.nbr_rows is None else seg[block.row_slots])
-    return torch.cat(parts)
+        parts.append(seg if block.nbr_rows is None else seg[block.row_slots.numpy()])
+    return torch.from_numpy(np.concatenate(parts))
 
 
 def _sets(t: Dict[str, torch.Tensor], layers: int) -> List[torch.Tensor]:
