@@ -7,6 +7,7 @@ The public surface:
 - :class:`Config`, :func:`default_config`, :func:`patch` — every knob, typed;
 - :func:`load_dataset`, :class:`TemporalGraph` — event streams;
 - :func:`build_model` — the reference TGNNs (TGN, TGAT, JODIE, APAN);
+- :func:`verify_against_eager` — an optimized model's outputs and gradients against eager's;
 - :class:`FastOptError` — the one error hierarchy.
 """
 
@@ -20,7 +21,8 @@ from fastopt.errors import FastOptError
 from fastopt.optimize import optimize
 
 _LAZY = {"TemporalGraph": "fastopt.data", "load_dataset": "fastopt.data",
-         "build_model": "fastopt.models", "Trainer": "fastopt.trainer"}
+         "build_model": "fastopt.models", "Trainer": "fastopt.trainer",
+         "verify_against_eager": "fastopt.benchmark"}
 
 
 def __getattr__(name: str):
@@ -47,5 +49,6 @@ __all__ = [
     "load_dataset",
     "optimize",
     "patch",
+    "verify_against_eager",
     "__version__",
 ]

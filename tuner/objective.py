@@ -12,7 +12,7 @@ epoch, so that trials of different batch sizes compare.
 Before its window, a trial whose model runs optimized (fused ops: on CUDA, the kernels under the
 trial's mapping) is checked against the eager model with the same weights on the epoch's first
 batch, outputs and parameter gradients against the float64 eager model
-(:func:`fastopt.benchmark.verify_against_eager`, :func:`check_against_eager`): a trial whose
+(:func:`fastopt.verify_against_eager`, :func:`check_against_eager`): a trial whose
 values give other results is pruned with the disagreement as its reason, so that it can never be
 the study's best.
 
@@ -168,14 +168,14 @@ def check_against_eager(make_eager: Callable[[Config], Any]) -> Callable[[Any], 
     """A trial's check: its trainer's model, where it runs optimized, against an eager model
     that ``make_eager`` builds for the trial's config and that gets the same weights and state.
 
-    The check runs :func:`fastopt.benchmark.verify_against_eager` on the first training batch:
+    The check runs :func:`fastopt.verify_against_eager` on the first training batch:
     outputs and parameter gradients against the eager model in float64, each within 1e-4
     relative or 8x the float32 eager model's own error. It returns the largest error ratio to
     eager's, None for a model that runs eager (nothing to compare), and raises
     :class:`~fastopt.errors.FastOptError` naming the quantity that disagrees.
     """
     def check(trainer) -> Optional[float]:
-        from fastopt.benchmark import verify_against_eager
+        from fastopt import verify_against_eager
 
         report = getattr(trainer.model, "fastopt_report", None)
         if report is None or not report.changed:
