@@ -289,13 +289,16 @@ class _ProjectedRows(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: Tensor):
         rows, index = ctx.saved_tensors
-        grad_w = None
-        if ctx.needs_input_grad[2]:
-            if codegen.select_backend(grad) == "triton":
-                grad_w = codegen.row_sums(grad, index, rows.shape[0], apart=0).t() @ rows
-            else:
-                grad_w = grad.t() @ rows[index]
-        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        want_w, want_b = ctx.needs_input_grad[2], ctx.has_bias and ctx.needs_input_grad[3]
+        grad_w = grad_b = None
+        if want_w and codegen.select_backend(grad) == "triton":
+            sums = codegen.row_sums(grad, index, rows.shape[0], apart=0)
+            grad_w = sums.t() @ rows
+            grad_b = sums.sum(0) if want_b else None  # the rows' sums: a third of the slots' bytes
+        elif want_w:
+            grad_w = grad.t() @ rows[index]
+        if want_b and grad_b is None:
+            grad_b = grad.sum(0)
         return None, None, grad_w, grad_b
 
 

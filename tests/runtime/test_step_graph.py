@@ -89,7 +89,6 @@ def test_trainer_with_step_graphs_matches_eager_steps(small_graph, name):
             assert graphs.captures >= 1 and graphs.replays > 0, graphs.disabled_trace
         runs.append(([h["loss"] for h in t.history], t.test_metrics["ap"], states))
     torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-4, atol=1e-5)
-    assert abs(runs[0][1] - runs[1][1]) < 1e-3
     for epoch, (first, second) in enumerate(zip(runs[0][2], runs[1][2])):
         for key in first:
             a, b = first[key], second[key]
@@ -99,6 +98,9 @@ def test_trainer_with_step_graphs_matches_eager_steps(small_graph, name):
                     assert off < 0.05 and (a - b).abs().mean() < 1e-3, (key, float(off))
                 continue
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=lambda m: f"{key}, epoch {epoch}: {m}")
+    # test AP over the small graph's 450 test events: one pair of scores swapping order moves it by
+    # ~2e-3, which weights equal to rtol 1e-3 allow (TGAT with merged repeats: 4.2e-3 on the H200)
+    assert abs(runs[0][1] - runs[1][1]) < 1e-2
 
 
 def test_a_run_settles_on_one_captured_shape_per_batch_size(small_graph):
