@@ -25,6 +25,7 @@ from fastopt.passes.aggregate import FuseMaskedAggregation
 from fastopt.passes.attention import FuseTemporalAttention
 from fastopt.passes.attention_mha import FuseMultiheadAttention
 from fastopt.passes.attention_sdpa import FuseSdpaAttention
+from fastopt.passes.edge_softmax import FuseEdgeSoftmaxAggregation
 from fastopt.passes.manager import PassManager
 from fastopt.passes.project_before_gather import ProjectBeforeGather
 from fastopt.passes.split_linear import SplitLinearInputs
@@ -37,6 +38,7 @@ PIPELINE = (
     FuseSdpaAttention,
     FuseTemporalAttention,
     FuseMaskedAggregation,
+    FuseEdgeSoftmaxAggregation,
     SplitLinearInputs,
     ProjectBeforeGather,
 )

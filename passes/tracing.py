@@ -11,6 +11,11 @@ submodule's attributes and restores them afterwards, whatever happens.
 A forward that assigns module attributes is treated as untraceable: fx would drop the write.
 In-place writes to buffers (``self.count.add_(1)``) are recorded in the graph and kept.
 
+PyG's ``torch_geometric.utils.softmax`` and ``scatter`` (data-dependent inside) are recorded as
+single calls where a traced module's globals name them and torch_geometric is already imported
+(:func:`leaf_functions`), so that hand-written PyG-style message passing traces and
+``fuse_edge_softmax_aggregation`` can match it; torch_geometric is never imported here.
+
 ``self.training`` is read as a Python bool while tracing, so code such as
 ``F.dropout(x, p, training=self.training)`` is traced once per mode; the optimized module runs the
 graph of its current mode.
@@ -22,6 +27,7 @@ attributes, submodules): the key a tuning record is filed under (:mod:`fastopt.t
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -29,7 +35,7 @@ from torch import fx, nn
 
 from fastopt.errors import TraceError
 
-__all__ = ["FastOptTracer", "graph_structure", "trace", "is_builtin_leaf"]
+__all__ = ["FastOptTracer", "graph_structure", "trace", "is_builtin_leaf", "leaf_functions"]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -39,8 +45,21 @@ def is_builtin_leaf(module: nn.Module) -> bool:
     return type(module).__module__.startswith("torch.nn") and not isinstance(module, _CONTAINERS)
 
 
+def leaf_functions() -> tuple:
+    """PyG's ``softmax`` and ``scatter`` where torch_geometric is imported already, else ``()``."""
+    utils = sys.modules.get("torch_geometric.utils")
+    if utils is None:
+        return ()
+    return tuple(f for f in (getattr(utils, "softmax", None), getattr(utils, "scatter", None))
+                 if callable(f))
+
+
 class FastOptTracer(fx.Tracer):
-    """``torch.fx`` tracer whose leaves are the ``torch.nn`` built-ins."""
+    """``torch.fx`` tracer whose leaves are the ``torch.nn`` built-ins (and the functions of
+    :func:`leaf_functions`)."""
+
+    def __init__(self) -> None:
+        super().__init__(autowrap_functions=leaf_functions())
 
     # Buffers are traced as graph inputs (get_attr proxies), not read as tensors: fx's default
     # ran an in-place write such as ``self.count.add_(1)`` on the user's buffer while tracing
