@@ -9,8 +9,10 @@ family's own ``check`` composes these for its operator.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -19,7 +21,7 @@ from fastopt.config import default_config
 from fastopt.errors import KernelError
 
 __all__ = ["NeighborLayout", "is_tensor", "floating", "has_shape", "has_ndim", "same_device",
-           "values_checked", "table_index", "neighbor_slots", "valid_form"]
+           "values_checked", "values_known", "table_index", "neighbor_slots", "valid_form"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -74,9 +76,25 @@ def same_device(reference: Tensor, **tensors: Optional[Tensor]) -> None:
             )
 
 
+_VALUES_KNOWN: contextvars.ContextVar[bool] = contextvars.ContextVar("values_known", default=False)
+
+
 def values_checked() -> bool:
-    """Whether checks may read tensor values (inside a torch.compile trace there are none)."""
-    return not torch.compiler.is_compiling() and default_config().kernels.check_inputs
+    """Whether checks may read tensor values (inside a torch.compile trace there are none, and
+    inside :func:`values_known` the caller has checked them)."""
+    return (not torch.compiler.is_compiling() and default_config().kernels.check_inputs
+            and not _VALUES_KNOWN.get())
+
+
+@contextlib.contextmanager
+def values_known() -> Iterator[None]:
+    """Calls inside take index values as valid: for an operator built on another whose index
+    tensors it made itself and checked in its own (single) host read."""
+    token = _VALUES_KNOWN.set(True)
+    try:
+        yield
+    finally:
+        _VALUES_KNOWN.reset(token)
 
 
 def table_index(name: str, index: Tensor, rows: int, table_rows: int) -> int:

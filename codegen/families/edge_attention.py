@@ -14,7 +14,9 @@ expanded to the slot layout: the kernels read them by index.
   queries (``1 * s + 0 * ... = s`` exactly, in every dtype).
 
 Destinations without an incoming edge get zeros (the sum over no edge). Reading ``K`` back is
-one host synchronization per call. A degree distribution so skewed that the padded slots would
+one host synchronization per call; the index checks (``config.kernels.check_inputs``) read their
+ranges in the same one, and the attention kernels below take the indices this module built
+without checking them again. A degree distribution so skewed that the padded slots would
 outnumber the edges :data:`PADDING_LIMIT` times runs :func:`reference_edge_attention` instead
 (segment softmax and ``index_add`` over the edges themselves), which gives the same result.
 """
@@ -40,27 +42,36 @@ PADDING_LIMIT = 4
 """Padded slots ``N * K`` allowed per edge (plus one per destination) before the segment path."""
 
 
-def edge_slots(dst: Tensor, num_dst: int) -> Tuple[Tensor, Tensor]:
-    """``(indptr [N + 1], slot_edge [N, K])`` of the edges sorted by destination.
-
-    ``slot_edge[n, j]`` is the id of destination ``n``'s ``j``-th incoming edge (in edge order)
-    for ``j < indptr[n + 1] - indptr[n]`` and 0 past it; ``K = max(1, largest in-degree)``.
-    """
+def edge_csr(dst: Tensor, num_dst: int) -> Tuple[Tensor, Tensor]:
+    """``(indptr [N + 1], perm [E])``: the edges sorted by destination (stable) as CSR."""
     device = dst.device
-    edges = dst.numel()
     order_dtype = torch.int32 if num_dst < 2**31 else torch.int64
     keys, perm = torch.sort(dst.to(order_dtype), stable=True)
     indptr = torch.zeros(num_dst + 1, dtype=torch.int64, device=device)
     if num_dst:
         torch.searchsorted(keys, torch.arange(num_dst, device=device, dtype=order_dtype),
                            right=True, out=indptr[1:])
+    return indptr, perm
+
+
+def slot_edges(indptr: Tensor, perm: Tensor, slots: int) -> Tensor:
+    """``slot_edge [N, K]``: destination ``n``'s ``j``-th incoming edge for ``j`` below its
+    in-degree, 0 past it."""
+    device, edges = perm.device, perm.numel()
     counts = indptr[1:] - indptr[:-1]
-    slots = max(1, int(counts.max())) if num_dst and edges else 1
     pos = indptr[:-1, None] + torch.arange(slots, device=device)
     valid = torch.arange(slots, device=device)[None, :] < counts[:, None]
-    slot_edge = torch.where(valid, perm[pos.clamp(max=max(edges - 1, 0))] if edges else
-                            torch.zeros_like(pos), 0)
-    return indptr, slot_edge
+    return torch.where(valid, perm[pos.clamp(max=max(edges - 1, 0))] if edges else
+                       torch.zeros_like(pos), 0)
+
+
+def edge_slots(dst: Tensor, num_dst: int) -> Tuple[Tensor, Tensor]:
+    """``(indptr [N + 1], slot_edge [N, K])`` of the edges sorted by destination, ``K`` the largest
+    in-degree (at least 1; one host read)."""
+    indptr, perm = edge_csr(dst, num_dst)
+    counts = indptr[1:] - indptr[:-1]
+    slots = max(1, int(counts.max())) if num_dst and dst.numel() else 1
+    return indptr, slot_edges(indptr, perm, slots)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, k_index: Optional[Tensor],
@@ -84,17 +95,29 @@ def _check(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, k_index: Optional[Tenso
             if index.numel() != edges:
                 raise KernelError(f"{name}_index has {index.numel()} entries but there are {edges} "
                                   f"edges; pass one table row per edge")
-    if checks.values_checked() and edges:
-        low, high = int(dst.min()), int(dst.max())
-        if low < 0 or high >= q.shape[0]:
-            bad = low if low < 0 else high
-            raise KernelError(f"dst holds {bad}, outside the destinations [0, {q.shape[0]}); "
-                              f"q needs one row per destination node")
     return edges
 
 
-def _padded(edges: int, rows: int, slot_edge: Tensor) -> bool:
-    return rows * slot_edge.shape[1] <= PADDING_LIMIT * (edges + rows)
+def _check_values(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, counts: Tensor,
+                  k_index: Optional[Tensor], v_index: Optional[Tensor]) -> int:
+    """The largest in-degree, and with ``config.kernels.check_inputs`` the index ranges, in one
+    host read."""
+    ranged = [("dst", dst, q.shape[0], "q needs one row per destination node")]
+    for name, index, table in (("k_index", k_index, k), ("v_index", v_index, v)):
+        if index is not None:
+            ranged.append((name, index, table.shape[0], f"the table has {table.shape[0]} rows"))
+    checked = checks.values_checked()
+    parts = [counts.max()]
+    if checked:
+        parts += [f(t) for _, t, _, _ in ranged for f in (torch.min, torch.max)]
+    read = torch.stack([p.to(torch.int64) for p in parts]).tolist()
+    if checked:
+        for i, (name, _, rows, fix) in enumerate(ranged):
+            low, high = read[1 + 2 * i], read[2 + 2 * i]
+            if low < 0 or high >= rows:
+                bad = low if low < 0 else high
+                raise KernelError(f"{name} holds {bad}, outside [0, {rows}); {fix}")
+    return max(1, read[0])
 
 
 def edge_attention(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, *,
@@ -125,14 +148,17 @@ def edge_attention(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, *,
     if edges == 0:
         # zeros that stay connected to q, k and v (zero gradients, as the sum over no edge has)
         return q.new_zeros(q.shape) + (q[:0].sum() + k[:0].sum() + v[:0].sum())
-    indptr, slot_edge = edge_slots(dst, rows)
-    if not _padded(edges, rows, slot_edge):
+    indptr, perm = edge_csr(dst, rows)
+    slots = _check_values(q, k, v, dst, indptr[1:] - indptr[:-1], k_index, v_index)
+    if rows * slots > PADDING_LIMIT * (edges + rows):
         return reference_edge_attention(q, k, v, dst, k_index=k_index, v_index=v_index,
                                         scale=scale, dropout_p=dropout_p, seed=seed)
+    slot_edge = slot_edges(indptr, perm, slots)
     k_slots = slot_edge if k_index is None else k_index[slot_edge]
     v_slots = slot_edge if v_index is None else v_index[slot_edge]
-    return temporal_attention(q, k, v, indptr=indptr, k_index=k_slots, v_index=v_slots,
-                              scale=scale, dropout_p=dropout_p, seed=seed)
+    with checks.values_known():  # valid by construction, and checked above
+        return temporal_attention(q, k, v, indptr=indptr, k_index=k_slots, v_index=v_slots,
+                                  scale=scale, dropout_p=dropout_p, seed=seed)
 
 
 def edge_softmax_aggregate(scores: Tensor, v: Tensor, dst: Tensor, num_dst: int, *,

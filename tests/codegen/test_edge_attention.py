@@ -97,7 +97,8 @@ def reference_backend_cpu():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(dst=torch.tensor([0, 9])), r"dst holds 9, outside the destinations \[0, 3\)"),
+    (dict(dst=torch.tensor([0, 9])), r"dst holds 9, outside \[0, 3\); q needs one row per"),
+    (dict(k_index=torch.tensor([0, 3])), r"k_index holds 3, outside \[0, 3\); the table has 3 rows"),
     (dict(dst=torch.tensor([0.0, 1.0])), r"dst has dtype torch.float32"),
     (dict(k=torch.randn(3, 1, 2)), r"k has 3 rows but there are 2 edges"),
     (dict(k_index=torch.tensor([0])), r"k_index has 1 entries but there are 2 edges"),
@@ -111,6 +112,15 @@ def test_bad_arguments_name_the_value_and_the_fix(bad, match, reference_backend_
     args.update(bad)
     with pytest.raises(KernelError, match=match):
         cg.edge_attention(args["q"], args["k"], args["v"], args["dst"], **index)
+
+
+def test_values_known_skips_the_value_checks_inside_only():
+    from fastopt.codegen import checks
+
+    assert checks.values_checked()
+    with checks.values_known():
+        assert not checks.values_checked()
+    assert checks.values_checked()
 
 
 def test_edge_softmax_aggregate_checks_its_arguments():
