@@ -189,8 +189,10 @@ def op_choices(op: FusedOp) -> Dict[str, Tuple[Any, ...]]:
     if op.op == "masked_aggregate":
         return {"block_k": _powers(min(next_power_of_2(slots), MAX_TILE // next_power_of_2(dim))),
                 "rows_per_program": (1, 2, 4), "num_warps": (2, 4, 8), "num_stages": (1, 2, 3)}
-    if op.op == "time_encode":
-        return {"block_k": (16, 32, 64, 128), "num_warps": (1, 2, 4, 8), "num_stages": (1, 2, 3)}
+    if op.op == "time_encode":  # block_k time differences a program, each a row of block_d lanes
+        rows = _powers(min(128, MAX_TILE // next_power_of_2(dim)))
+        return {"block_k": tuple(b for b in rows if b >= 16) or rows[-1:], "num_warps": (1, 2, 4, 8),
+                "num_stages": (1, 2, 3)}
     return {}
 
 

@@ -211,3 +211,17 @@ def test_finding_the_fused_ops_leaves_the_model_as_it_was(small_graph):
     config = Config()
     config.set("passes.fuse_time_encoding", "off")  # the CUDA run would not fuse it: no knobs for it
     assert [op.key for op in space_module.fused_ops(model, small_graph, config)] == ["temporal_attention@10x2x4"]
+
+
+@pytest.mark.parametrize("op,field,lanes", [
+    (space_module.FusedOp("temporal_attention", (10, 3, 100)), "block_m", 512),  # 4 heads' lanes
+    (space_module.FusedOp("masked_aggregate", (7, 1, 172)), "block_k", 256),
+    (space_module.FusedOp("time_encode", (64, 1, 172)), "block_k", 256),
+    (space_module.FusedOp("time_encode", (64, 1, 2000)), "block_k", 2048),
+])
+def test_tile_choices_stay_within_the_register_tile(op, field, lanes):
+    choices = op_choices(op)[field]
+    assert choices and max(choices) * lanes <= MAX_TILE
+    assert all(c & (c - 1) == 0 for c in choices)
+    if op.op == "temporal_attention":
+        assert op_choices(op)["heads_per_program"] == (1, 2, 4)  # up to H = 3, a power of two
