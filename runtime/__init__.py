@@ -1,4 +1,5 @@
-"""fastopt.runtime: temporal neighbor sampling, SlimCache, the loader and its ``GraphInputs``, and
+"""fastopt.runtime: temporal neighbor sampling (and ``LastNeighborLoader``, PyG's interface to
+each node's last neighbors on dense tensors), SlimCache, the loader and its ``GraphInputs``, and
 CUDA-graph capture and replay (of a module's calls, ``graphs.py``; of whole training steps,
 ``step_graph.py``).
 
@@ -13,8 +14,9 @@ from fastopt.runtime.cache_policy import BeladyResult, belady_optimum
 from fastopt.runtime.slimcache import CacheCounters, CacheTable, PendingRows, SlimCache, UniqueRows
 from fastopt.runtime.loader import EventBatch, Loader, NegativeSampler, StageTimer
 from fastopt.runtime.graphs import GraphCapture, GraphRunner, attach_graph_runners, capturing
+from fastopt.runtime.last_neighbors import LastNeighborLoader
 
 __all__ = ["SampledBatch", "TemporalBlock", "Unique", "SlimCache", "CacheTable", "UniqueRows",
            "PendingRows", "CacheCounters", "BeladyResult", "belady_optimum", "TemporalSampler", "OPENMP",
            "GraphInputs", "EventBatch", "Loader", "NegativeSampler", "StageTimer", "GraphCapture",
-           "GraphRunner", "attach_graph_runners", "capturing"]
+           "GraphRunner", "attach_graph_runners", "capturing", "LastNeighborLoader"]
