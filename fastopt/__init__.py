@@ -11,7 +11,7 @@ The public surface:
 - :class:`FastOptError` — the one error hierarchy.
 """
 
-from importlib import import_module
+from fastopt._lazy import lazy_attributes
 
 # The ground floor and the front door load at once; the rest when first asked for, so that
 # ``import fastopt.runtime`` or ``fastopt.codegen`` loads no passes, models or trainer. ``optimize``
@@ -25,16 +25,7 @@ _LAZY = {"TemporalGraph": "fastopt.data", "load_dataset": "fastopt.data",
          "verify_against_eager": "fastopt.benchmark"}
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'fastopt' has no attribute {name!r}")
-    value = getattr(import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes("fastopt", _LAZY, globals())
 
 
 __version__ = "0.1.0"

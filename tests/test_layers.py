@@ -8,8 +8,9 @@ source with :mod:`ast`. A folder may import its own modules and the layers its r
   the models or the top package;
 * ``passes/`` also ``fastopt.codegen`` and ``fastopt.runtime``, through their public surface
   (the package and the names in its ``__all__``), never a private module of theirs;
-* ``tuner/`` the top package's names, its data, models and trainer, ``fastopt.codegen`` and
-  ``fastopt.runtime``: never ``passes/`` (it optimizes models through the trainer);
+* ``tuner/`` the top package's names (and its lazy-attribute helper), its data, models and
+  trainer, ``fastopt.codegen`` and ``fastopt.runtime``: never ``passes/`` (it optimizes models
+  through the trainer);
 * the imports inside ``passes/`` form no cycle.
 
 The checker runs on the real tree and, to show it can fail, on copies of the tree with one
@@ -38,8 +39,8 @@ ALLOWED = {
     "fastopt.codegen": ("fastopt.config", "fastopt.errors"),
     "fastopt.runtime": ("fastopt.config", "fastopt.errors"),
     "fastopt.passes": ("fastopt.config", "fastopt.errors", "fastopt.codegen", "fastopt.runtime"),
-    "fastopt.tuner": ("fastopt", "fastopt.config", "fastopt.errors", "fastopt.data", "fastopt.models",
-                      "fastopt.trainer", "fastopt.codegen", "fastopt.runtime"),
+    "fastopt.tuner": ("fastopt", "fastopt._lazy", "fastopt.config", "fastopt.errors", "fastopt.data",
+                      "fastopt.models", "fastopt.trainer", "fastopt.codegen", "fastopt.runtime"),
 }
 # allowed entries naming a package whose submodules they do not allow (its own names only)
 NAMES_ONLY = ("fastopt",)

@@ -10,7 +10,7 @@ The tuner's parts live apart (``ls`` shows the architecture):
 - :mod:`~fastopt.tuner.study` — one tuning run: the study, its baseline trial, progress, export.
 """
 
-from importlib import import_module
+from fastopt._lazy import lazy_attributes
 
 # The space and the records load at once (``config="auto"`` reads records in every Trainer);
 # what needs Optuna loads when first asked for.
@@ -25,16 +25,7 @@ _LAZY = {"Measurement": "fastopt.tuner.objective", "StepObjective": "fastopt.tun
          "tune": "fastopt.tuner.study"}
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'fastopt.tuner' has no attribute {name!r}")
-    value = getattr(import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes("fastopt.tuner", _LAZY, globals())
 
 
 __all__ = [
