@@ -145,6 +145,9 @@ def edge_attention(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, *,
     """
     edges = _check(q, k, v, dst, k_index, v_index)
     rows = q.shape[0]
+    if rows == 0 and edges:
+        raise KernelError(f"there are {edges} edges but no destination (q has shape "
+                          f"{tuple(q.shape)}); pass one query row per destination node")
     if edges == 0:
         # zeros that stay connected to q, k and v (zero gradients, as the sum over no edge has)
         return q.new_zeros(q.shape) + (q[:0].sum() + k[:0].sum() + v[:0].sum())

@@ -168,9 +168,10 @@ def verify_modules(graph, modules: Callable[[nn.Module], nn.Module], *, batch_si
                    steps: int = 5, device="cpu", seed: int = 0, **sizes: int) -> dict:
     """Train the example and its copy with ``modules`` applied side by side for ``steps`` batches.
 
-    Both start from the same parameters and see the same batches and negatives; attention
-    dropout is off (the layers in eval mode) so that both are deterministic, the memory trains
-    as in the example. After each step the logits, every parameter's gradient, the memory and
+    Both start from the same parameters and see the same batches and negatives, and each step
+    starts the copy from the example's parameters and memory again (Adam's normalization would
+    otherwise compound float-order differences of tiny gradients); attention dropout is off (the
+    layers in eval mode) so that both are deterministic, the memory trains as in the example. After each step the logits, every parameter's gradient, the memory and
     its last-update times are compared (float32 tolerance: ``1e-5 + 1e-4 * |eager|``, gradients
     against ``1e-5 *`` their largest element).
 
@@ -225,6 +226,9 @@ def verify_modules(graph, modules: Callable[[nn.Module], nn.Module], *, batch_si
                 + 1e-4 * float(w.double().abs().max() if w.numel() else 0.0)
             if diff > bound and mismatch is None:
                 mismatch = f"{what}: largest difference {diff:.3g} > {bound:.3g}"
+        # the next step starts from the eager model's parameters and memory: float-order
+        # differences in tiny gradients would otherwise compound through Adam's normalization
+        other.load_state_dict(eager.state_dict())
         done += 1
     return {"ok": mismatch is None, "steps": done, "largest": largest, "first_mismatch": mismatch}
 

@@ -114,6 +114,12 @@ def test_bad_arguments_name_the_value_and_the_fix(bad, match, reference_backend_
         cg.edge_attention(args["q"], args["k"], args["v"], args["dst"], **index)
 
 
+def test_edges_without_destinations_are_refused():
+    with pytest.raises(KernelError, match=r"there are 2 edges but no destination"):
+        cg.edge_attention(torch.randn(0, 1, 2), torch.randn(2, 1, 2), torch.randn(2, 1, 2),
+                          torch.tensor([0, 0]))
+
+
 def test_values_known_skips_the_value_checks_inside_only():
     from fastopt.codegen import checks
 
