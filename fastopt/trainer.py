@@ -7,7 +7,6 @@ back the model's memory and mailbox (after the step, so no event sees its own ba
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -27,6 +26,7 @@ from fastopt.config import Config, resolve_config
 from fastopt.data import TemporalGraph
 from fastopt.errors import ConfigError, FastOptError, device_memory_guard
 from fastopt.metrics import average_precision, mrr, roc_auc
+from fastopt.runtime.flatten import flatten, unflatten
 from fastopt.runtime.inputs import GraphInputs
 from fastopt.runtime.loader import EventBatch, Loader, NegativeSampler, StageTimer
 
@@ -365,7 +365,7 @@ class Trainer:
     def _step(self, batch: EventBatch, timer: StageTimer, train: bool):
         """One batch: a training step (returns the loss) or an evaluation (returns the scores)."""
         if train and self._step_graphs is not None:
-            tensors, spec = _flatten(batch.inputs, batch.event_feat)
+            tensors, spec = flatten((batch.inputs, batch.event_feat))
             with timer("step"):
                 return self._step_graphs(tensors, constant=(batch.size, spec))
         model, inputs, b = self.model, batch.inputs, batch.size
@@ -403,7 +403,7 @@ class Trainer:
     def _whole_step(self, tensors: List[torch.Tensor], b: int, spec: tuple) -> torch.Tensor:
         """Forward, loss, backward, optimizer step and write-back of one training batch (the step
         :class:`~fastopt.runtime.step_graph.StepGraphs` captures)."""
-        inputs, event_feat = _unflatten(tensors, spec)
+        inputs, event_feat = unflatten(spec, tensors)
         loss, _, _, _ = self._scores(inputs, b, None)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -557,29 +557,3 @@ class _Quiet:
 
     def close(self) -> None:
         pass
-
-
-def _flatten(inputs: GraphInputs, event_feat: torch.Tensor):
-    """The tensors of a training batch in a fixed order, and the list lengths that rebuild it."""
-    names = [f.name for f in dataclasses.fields(inputs)]
-    tensors, spec = [], []
-    for name in names:
-        value = getattr(inputs, name)
-        if isinstance(value, list):
-            tensors.extend(value)
-            spec.append(len(value))
-        elif value is None:
-            spec.append(None)
-        else:
-            tensors.append(value)
-            spec.append(-1)
-    tensors.append(event_feat)
-    return tensors, tuple(spec)
-
-
-def _unflatten(tensors: List[torch.Tensor], spec: tuple):
-    it = iter(tensors)
-    values = {}
-    for f, n in zip(dataclasses.fields(GraphInputs), spec):
-        values[f.name] = None if n is None else next(it) if n == -1 else [next(it) for _ in range(n)]
-    return GraphInputs(**values), next(it)
