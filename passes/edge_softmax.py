@@ -206,7 +206,8 @@ def fused_edge_softmax_aggregate(scores: Tensor, values: Tensor, index: Tensor,
             and values.dim() == scores.dim() + 1 and values.shape[0] == edges
             and scores.is_floating_point() and values.dtype == scores.dtype
             and not (default_config().kernels.backend == "auto"
-                     and codegen.select_backend(values) != "triton"))
+                     and codegen.select_backend(values) != "triton")
+            and not (training and dropout_p and not default_config().passes.fuse_dropout))
     heads = scores.shape[1] if scores.dim() == 2 else 1
     if fits:
         weight = _replay(steps, torch.empty(scores.shape, device="meta"))

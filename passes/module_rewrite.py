@@ -7,7 +7,42 @@ from typing import Optional, Tuple
 
 from torch import nn
 
-__all__ = ["ModuleRewrite", "shared_copy"]
+from fastopt.passes.report import Verification
+from fastopt.passes.verify import verified_call
+
+__all__ = ["ModuleRewrite", "ModuleReplacement", "shared_copy"]
+
+
+class ModuleReplacement:
+    """Mixin of replacement classes: ``forward`` runs ``_fastopt_forward``; with
+    ``optimize(verify=True)`` the first calls also run the layer's own forward and compare
+    (:func:`fastopt.passes.verify.verified_call`), counting in the report's ``Verification``.
+    Place it first: ``type(name, (Mixin, ModuleReplacement..., cls))`` reaches ``cls.forward``
+    as the original."""
+
+    _fastopt_verify = 0
+    _fastopt_verification: Optional[Verification] = None
+    _fastopt_path = "<root>"
+
+    def _fastopt_forward(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def _fastopt_original(self, *args, **kwargs):
+        """The replaced class's own forward."""
+        return super().forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        if self._fastopt_verify > 0:
+            self.__dict__["_fastopt_verify"] = self._fastopt_verify - 1
+            self._fastopt_verification.add(*verified_call(
+                self, self._fastopt_original, self._fastopt_forward, args, kwargs,
+                f"fastopt.optimize(verify=True): {self._fastopt_path}"))
+        return self._fastopt_forward(*args, **kwargs)
+
+    def fastopt_verify(self, calls: int, record: Verification, path: str) -> None:
+        """Compare the next ``calls`` calls against the original forward into ``record``."""
+        self.__dict__.update(_fastopt_verify=calls, _fastopt_verification=record,
+                             _fastopt_path=path)
 
 
 class ModuleRewrite:

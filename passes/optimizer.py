@@ -25,6 +25,7 @@ from torch import fx, nn
 from fastopt.config import patch
 from fastopt.errors import TraceError
 from fastopt.passes.manager import PassManager
+from fastopt.passes.module_rewrite import ModuleReplacement
 from fastopt.passes.modules import MODULE_REWRITES, rewrite_module
 from fastopt.passes.pipeline import default_pipeline
 from fastopt.passes.report import LeftAlone, RewriteReport, Verification
@@ -61,12 +62,9 @@ class OptimizedForward:
         if self._fastopt_verify > 0:
             self.__dict__["_fastopt_verify"] = self._fastopt_verify - 1
             original = super().forward  # the user's forward, on the same objects
-            largest, gradients = verified_call(self, original, self._fastopt_run, args, kwargs,
-                                               f"fastopt.optimize(verify=True): {self._fastopt_path}")
-            record = self._fastopt_verification
-            record.calls += 1
-            record.with_gradients += gradients
-            record.largest = max(record.largest, largest)
+            self._fastopt_verification.add(*verified_call(
+                self, original, self._fastopt_run, args, kwargs,
+                f"fastopt.optimize(verify=True): {self._fastopt_path}"))
         return self._fastopt_run(*args, **kwargs)
 
 
@@ -150,6 +148,10 @@ def _optimize(module: nn.Module, path: str, report: RewriteReport, make_pipeline
         return module
     replaced = rewrite_module(module, path, report, options["module_rules"])
     if replaced is not None:
+        if options["verify"] and isinstance(replaced, ModuleReplacement):
+            record = Verification(path or "<root>")
+            report.verifications.append(record)
+            replaced.fastopt_verify(VERIFY_CALLS, record, path or "<root>")
         return replaced
     result = _optimize_traced(module, path, report, make_pipeline, options)
     if result is not None:

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from fastopt import codegen
 from fastopt.config import default_config
-from fastopt.passes.module_rewrite import ModuleRewrite, shared_copy
+from fastopt.passes.module_rewrite import ModuleReplacement, ModuleRewrite, shared_copy
 
 __all__ = ["FuseTransformerConv", "FuseGatConv", "FuseGatv2Conv", "pyg_conv_classes"]
 
@@ -76,6 +76,8 @@ def _plain_call(module: nn.Module, edge_index, x) -> bool:
         return False
     if default_config().kernels.backend == "auto" and codegen.select_backend(xs[0]) != "triton":
         return False
+    if module.training and module.dropout > 0 and not default_config().passes.fuse_dropout:
+        return False  # unfused dropout draws as the layer does (verify=True relies on it)
     return not any(getattr(module, name) for name in _hook_dicts(module))
 
 
@@ -165,13 +167,13 @@ def _fused_class(mixin: type, cls: type) -> type:
 # ----------------------------------------------------------------------------------------------
 
 
-class _FusedTransformerConv:
+class _FusedTransformerConv(ModuleReplacement):
     """``TransformerConv.forward`` with the per-edge attention fused (see the module docstring)."""
 
-    def forward(self, x, edge_index, edge_attr=None, return_attention_weights=None):
+    def _fastopt_forward(self, x, edge_index, edge_attr=None, return_attention_weights=None):
         if (return_attention_weights is not None or not _plain_call(self, edge_index, x)
                 or (edge_attr is None) != (self.lin_edge is None)):
-            return super().forward(x, edge_index, edge_attr, return_attention_weights)
+            return self._fastopt_original(x, edge_index, edge_attr, return_attention_weights)
         return transformer_conv(self, x, edge_index, edge_attr)
 
 
@@ -225,13 +227,14 @@ class FuseTransformerConv(_PygConvRule):
 # ----------------------------------------------------------------------------------------------
 
 
-class _FusedGatConv:
+class _FusedGatConv(ModuleReplacement):
     """``GATConv.forward`` with the edge softmax and aggregation fused."""
 
-    def forward(self, x, edge_index, edge_attr=None, size=None, return_attention_weights=None):
+    def _fastopt_forward(self, x, edge_index, edge_attr=None, size=None,
+                         return_attention_weights=None):
         if (return_attention_weights is not None or size is not None
                 or not _plain_call(self, edge_index, x)):
-            return super().forward(x, edge_index, edge_attr, size, return_attention_weights)
+            return self._fastopt_original(x, edge_index, edge_attr, size, return_attention_weights)
         return gat_conv(self, x, edge_index, edge_attr)
 
 
@@ -275,13 +278,13 @@ class FuseGatConv(_PygConvRule):
 # ----------------------------------------------------------------------------------------------
 
 
-class _FusedGatv2Conv:
+class _FusedGatv2Conv(ModuleReplacement):
     """``GATv2Conv.forward`` with the edge softmax and aggregation fused."""
 
-    def forward(self, x, edge_index, edge_attr=None, return_attention_weights=None):
+    def _fastopt_forward(self, x, edge_index, edge_attr=None, return_attention_weights=None):
         if (return_attention_weights is not None or not _plain_call(self, edge_index, x)
                 or (edge_attr is not None and self.lin_edge is None)):
-            return super().forward(x, edge_index, edge_attr, return_attention_weights)
+            return self._fastopt_original(x, edge_index, edge_attr, return_attention_weights)
         return gatv2_conv(self, x, edge_index, edge_attr)
 
 

@@ -10,7 +10,10 @@ messages in two logs on the device:
   batch in the order PyG stores them (the batch sorted by node with the same ``sort`` call);
 - per node, where its events start in the log and how many there are (``ptr``, ``cnt``).
 
-Storing a batch is a handful of scatters with no host synchronization; collecting the messages of
+Storing a batch is a handful of scatters with no host synchronization (besides the
+``unique`` of the batch's nodes PyG's ``update_state`` takes, and, with
+``config.kernels.check_inputs``, one read of the node ids' range: bad ids raise
+:class:`~fastopt.errors.DataError` instead of a device-side assert); collecting the messages of
 ``n_id`` reads back their total count, once per memory update (to size the gather). When the
 log is full it is compacted to the events still referenced (one read of their count). The
 messages, the aggregation (the module's own ``aggr_module``: ``LastAggregator``,
@@ -34,6 +37,8 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from fastopt.config import default_config
+from fastopt.errors import DataError
 from fastopt.passes.module_rewrite import ModuleRewrite, shared_copy
 
 __all__ = ["TensorizeTgnMemory", "TensorTgnMemory", "tgn_memory_class"]
@@ -157,11 +162,38 @@ class TensorTgnMemory:
         self._reset_message_store()
 
     def forward(self, n_id: Tensor) -> Tuple[Tensor, Tensor]:
+        self._fo_check(n_id=n_id)
         if self.training:
             return self._fo_updated_memory(n_id)
         return self.memory[n_id], self.last_update[n_id]
 
+    def _fo_check(self, raw_msg: Optional[Tensor] = None, **ids: Tensor) -> None:
+        """Shapes always; node ids in range with ``config.kernels.check_inputs`` (one host read)."""
+        lengths = {name: t.numel() for name, t in ids.items()}
+        for name, t in ids.items():
+            if not isinstance(t, Tensor) or t.dim() != 1:
+                raise DataError(f"{name} must be a 1-d tensor (got "
+                                f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}); "
+                                f"pass one entry per event")
+        if "t" in lengths and len(set(lengths.values())) > 1:
+            raise DataError(f"src, dst and t must have one length (got {lengths}); pass one entry "
+                            f"per event")
+        if raw_msg is not None and (raw_msg.dim() != 2 or raw_msg.shape[0] != lengths["t"]
+                                    or raw_msg.shape[1] != self.raw_msg_dim):
+            raise DataError(f"raw_msg has shape {tuple(raw_msg.shape)}, expected "
+                            f"({lengths['t']}, {self.raw_msg_dim}) (one raw message of raw_msg_dim "
+                            f"per event)")
+        nodes = [t for name, t in ids.items() if name != "t" and t.numel()]
+        if nodes and default_config().kernels.check_inputs:
+            bounds = torch.stack([b for t in nodes for b in torch.aminmax(t)]).tolist()
+            low, high = min(bounds[0::2]), max(bounds[1::2])
+            if low < 0 or high >= self.num_nodes:
+                bad = low if low < 0 else high
+                raise DataError(f"node id {bad} is outside [0, {self.num_nodes}), the memory's "
+                                f"num_nodes; build TGNMemory with more nodes or remap the ids")
+
     def update_state(self, src: Tensor, dst: Tensor, t: Tensor, raw_msg: Tensor) -> None:
+        self._fo_check(raw_msg, src=src, dst=dst, t=t)
         n_id = torch.cat([src, dst]).unique()
         if self.training:
             self._fo_update_memory(n_id)

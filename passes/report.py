@@ -72,6 +72,12 @@ class Verification:
     with_gradients: int = 0
     largest: float = 0.0
 
+    def add(self, largest: float, gradients: bool) -> None:
+        """Count one compared call (``gradients``: its gradients were compared too)."""
+        self.calls += 1
+        self.with_gradients += gradients
+        self.largest = max(self.largest, largest)
+
     def __str__(self) -> str:
         if not self.calls:
             return f"{self.where}  waiting for its first call"

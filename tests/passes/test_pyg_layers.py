@@ -203,3 +203,29 @@ def test_without_pyg_the_rules_recognize_nothing(monkeypatch):
         monkeypatch.undo()
         for cached in (pyg_conv.pyg_conv_classes, pyg_memory.tgn_memory_class):
             cached.cache_clear()
+
+
+def test_verify_compares_the_first_calls_with_dropout_active(reference_backend):
+    """verify=True: the first calls run the layer's own forward beside the fused one (dropout
+    unfused for the comparison, so both draw the same masks) and the report counts them."""
+    torch.manual_seed(0)
+    layer = LAYERS["transformer"]().train()
+    fast = fastopt.optimize(layer, verify=True)
+    x, edge_index, edge_attr = _graph()
+    for _ in range(3):
+        fast(x.requires_grad_(), edge_index, edge_attr).sum().backward()
+    (record,) = fast.fastopt_report.verifications
+    assert record.calls == 2 and record.with_gradients == 2
+    assert "2 call(s) compared" in str(fast.fastopt_report)
+
+
+def test_verify_catches_a_wrong_fused_layer(reference_backend, monkeypatch):
+    from fastopt.errors import TraceError
+    from fastopt.passes import pyg_conv
+
+    real = pyg_conv.gat_conv
+    monkeypatch.setattr(pyg_conv, "gat_conv", lambda *a: real(*a) * 1.01)
+    fast = fastopt.optimize(LAYERS["gat"]().eval(), verify=True)
+    x, edge_index, edge_attr = _graph()
+    with pytest.raises(TraceError, match="verify=True"):
+        fast(x, edge_index, edge_attr)

@@ -14,6 +14,7 @@ from torch_geometric.nn.models.tgn import (IdentityMessage, LastAggregator,  # n
                                            MeanAggregator)
 
 import fastopt  # noqa: E402
+from fastopt.errors import DataError  # noqa: E402
 from fastopt.passes import pyg_memory  # noqa: E402
 
 NODES, RAW, MEM, TIME = 40, 5, 8, 6
@@ -137,3 +138,19 @@ def test_a_subclass_is_left_alone_and_reported():
     assert report.count() == 0
     assert any(a.pass_name == "tensorize_tgn_memory" and "MyMemory subclasses TGNMemory" in a.reason
                for a in report.left_alone)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m: m.update_state(torch.tensor([0, NODES]), torch.tensor([1, 2]), torch.tensor([1, 2]),
+                              torch.zeros(2, RAW)), rf"node id {NODES} is outside \[0, {NODES}\)"),
+    (lambda m: m.update_state(torch.tensor([0, 1]), torch.tensor([1]), torch.tensor([1, 2]),
+                              torch.zeros(2, RAW)), r"src, dst and t must have one length"),
+    (lambda m: m.update_state(torch.tensor([0, 1]), torch.tensor([1, 2]), torch.tensor([1, 2]),
+                              torch.zeros(2, RAW + 1)), rf"raw_msg has shape \(2, {RAW + 1}\), expected \(2, {RAW}\)"),
+    (lambda m: m(torch.tensor([-1, 3])), rf"node id -1 is outside \[0, {NODES}\)"),
+    (lambda m: m(torch.tensor([[1]])), r"n_id must be a 1-d tensor \(got \(1, 1\)\)"),
+])
+def test_bad_input_names_the_value_and_the_fix(call, match):
+    fast = fastopt.optimize(_memory(LastAggregator))
+    with pytest.raises(DataError, match=match):
+        call(fast)
