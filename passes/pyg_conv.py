@@ -177,26 +177,54 @@ class _FusedTransformerConv(ModuleReplacement):
         return transformer_conv(self, x, edge_index, edge_attr)
 
 
+def _projections(lins, x: Tensor) -> Tuple[Optional[Tensor], list]:
+    """``(whole, [lin(x) for lin in lins])``: one product of the stacked weights whose column
+    blocks are the outputs (``whole``, split without copies); each Linear apart (``whole`` None)
+    where one is not initialized yet or only some have a bias."""
+    weights = [lin.weight for lin in lins]
+    biases = [lin.bias for lin in lins]
+    lazy = any(isinstance(w, nn.parameter.UninitializedParameter) for w in weights)
+    if len(lins) == 1 or lazy or len({b is None for b in biases}) > 1:
+        return None, [lin(x) for lin in lins]
+    bias = None if biases[0] is None else torch.cat(biases)
+    whole = F.linear(x, torch.cat(weights), bias)
+    return whole, list(whole.split([w.shape[0] for w in weights], dim=-1))
+
+
 def transformer_conv(layer: nn.Module, x, edge_index: Tensor, edge_attr: Optional[Tensor]) -> Tensor:
-    """``TransformerConv`` ``layer`` on a dense edge list, attention by ``edge_attention``."""
+    """``TransformerConv`` ``layer`` on a dense edge list, attention by ``edge_attention``.
+
+    The query, key, value (and skip) projections of one input run as one product; with edge
+    features, keys and values are gathered per edge as one block and the edge projection added
+    to both at once (the attention reads them in place, a row stride apart)."""
     heads, channels = layer.heads, layer.out_channels
     x_src, x_dst = (x, x) if isinstance(x, Tensor) else x
-    query = layer.lin_query(x_dst).view(-1, heads, channels)
-    key = layer.lin_key(x_src).view(-1, heads, channels)
-    value = layer.lin_value(x_src).view(-1, heads, channels)
+    lins = [layer.lin_query] + ([layer.lin_skip] if layer.root_weight else [])
+    if x_src is x_dst:
+        whole, parts = _projections(lins + [layer.lin_key, layer.lin_value], x_dst)
+        dst_side, (key, value) = parts[:-2], parts[-2:]
+    else:
+        dst_side = _projections(lins, x_dst)[1]
+        whole, (key, value) = _projections([layer.lin_key, layer.lin_value], x_src)
+    query = dst_side[0].reshape(-1, heads, channels)
     src, dst = edge_index[0], edge_index[1]
     p, seed = _dropout(layer, query)
     scale = 1.0 / math.sqrt(channels)
     if layer.lin_edge is not None:
-        edge = layer.lin_edge(edge_attr).view(-1, heads, channels)
-        out = codegen.edge_attention(query, key[src] + edge, value[src] + edge, dst, scale=scale,
-                                     dropout_p=p, seed=seed)
+        edge = layer.lin_edge(edge_attr).view(-1, 1, heads, channels)
+        width = heads * channels
+        pair = torch.cat([key, value], dim=-1) if whole is None else \
+            whole.narrow(-1, whole.shape[-1] - 2 * width, 2 * width)
+        kv = pair[src].view(-1, 2, heads, channels) + edge
+        out = codegen.edge_attention(query, kv[:, 0], kv[:, 1], dst, scale=scale, dropout_p=p,
+                                     seed=seed)
     else:
-        out = codegen.edge_attention(query, key, value, dst, k_index=src, v_index=src,
-                                     scale=scale, dropout_p=p, seed=seed)
+        out = codegen.edge_attention(query, key.reshape(-1, heads, channels),
+                                     value.reshape(-1, heads, channels), dst, k_index=src,
+                                     v_index=src, scale=scale, dropout_p=p, seed=seed)
     out = _heads_out(layer, out)
     if layer.root_weight:
-        skip = layer.lin_skip(x_dst)
+        skip = dst_side[1]
         if layer.lin_beta is not None:
             gate = layer.lin_beta(torch.cat([out, skip, out - skip], dim=-1)).sigmoid()
             out = gate * skip + (1 - gate) * out

@@ -171,8 +171,9 @@ def verify_modules(graph, modules: Callable[[nn.Module], nn.Module], *, batch_si
     Both start from the same parameters and see the same batches and negatives, and each step
     starts the copy from the example's parameters and memory again (Adam's normalization would
     otherwise compound float-order differences of tiny gradients); attention dropout is off (the
-    layers in eval mode) so that both are deterministic, the memory trains as in the example. After each step the logits, every parameter's gradient, the memory and
-    its last-update times are compared (float32 tolerance: ``1e-5 + 1e-4 * |eager|``, gradients
+    layers in eval mode) so that both are deterministic, the memory trains as in the example.
+    After each step the logits, every parameter's gradient, the memory and its last-update
+    times are compared (float32 tolerance: ``1e-5 + 1e-4 * |eager|``, gradients
     against ``1e-5 *`` their largest element).
 
     Returns:
@@ -180,13 +181,12 @@ def verify_modules(graph, modules: Callable[[nn.Module], nn.Module], *, batch_si
         "first_mismatch": str or None}``.
     """
     pyg = _import_pyg()
-    _check_args(batch_size=batch_size, steps=steps, **{**dict(memory_dim=100, time_dim=100,
-                embedding_dim=100, neighbors=10), **sizes})
+    sizes = {**dict(memory_dim=100, time_dim=100, embedding_dim=100, neighbors=10), **sizes}
+    _check_args(batch_size=batch_size, steps=steps, **sizes)
     dev = torch.device(device)
     torch.manual_seed(seed)
     stream = _EventStream.from_graph(graph, dev)
-    eager = _TGN(pyg, graph.num_nodes, stream.msg.size(1), device=dev,
-                 **{**dict(memory_dim=100, time_dim=100, embedding_dim=100, neighbors=10), **sizes})
+    eager = _TGN(pyg, graph.num_nodes, stream.msg.size(1), device=dev, **sizes)
     other = copy.deepcopy(eager)
     other.apply_to_modules(modules)
     negatives = _Negatives(graph.destination_pool(), seed)

@@ -134,3 +134,34 @@ def test_edge_softmax_aggregate_checks_its_arguments():
         cg.edge_softmax_aggregate(torch.randn(2, 1), torch.randn(2, 1, 3), torch.tensor([0, 0]), -1)
     with pytest.raises(KernelError, match=r"scores have 1 heads"):
         cg.edge_softmax_aggregate(torch.randn(2, 1), torch.randn(2, 2, 3), torch.tensor([0, 0]), 1)
+
+
+@pytest.mark.parametrize("layer", ["transformer-edge-beta", "transformer", "gat-edge", "gatv2"])
+def test_pyg_layers_run_on_the_kernels(device, triton_backend, layer):
+    """The PyG layer rewrites through the generated kernels (keys and values read a row stride
+    apart from one gathered block): outputs and gradients as the layer's own code."""
+    nn = pytest.importorskip("torch_geometric.nn")
+    import copy
+
+    import fastopt
+
+    torch.manual_seed(0)
+    make = {"transformer-edge-beta": lambda: nn.TransformerConv(16, 6, heads=2, edge_dim=8,
+                                                                beta=True),
+            "transformer": lambda: nn.TransformerConv(16, 5, heads=3),
+            "gat-edge": lambda: nn.GATConv(16, 6, heads=2, edge_dim=8),
+            "gatv2": lambda: nn.GATv2Conv(16, 4, heads=2, concat=False)}[layer]
+    conv = make().to(device).eval()
+    fast = fastopt.optimize(copy.deepcopy(conv))
+    src, dst, g = _graph(nodes=12, edges=40)
+    edge_index = torch.stack([src, dst]).to(device)
+    x = torch.randn(12, 16, generator=g).to(device)
+    has_edges = getattr(conv, "lin_edge", None) is not None
+    extra = (torch.randn(40, 8, generator=g).to(device),) if has_edges else ()
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want = conv(xa, edge_index, *extra)
+    got = fast(xb, edge_index, *extra)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(got.sum(), [xb, *fast.parameters()]),
+                    torch.autograd.grad(want.sum(), [xa, *conv.parameters()])):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
