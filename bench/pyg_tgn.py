@@ -151,7 +151,12 @@ def main(argv=None) -> int:
     for name in ("batch_size", "epochs", "iters", "verify_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r} is not a torch device; pass cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device} but this torch sees no CUDA device; pass --device cpu")
     try:
         graph = _graph(args)
     except FastOptError as exc:

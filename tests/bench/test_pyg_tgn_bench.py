@@ -83,3 +83,13 @@ def test_bench_fails_on_a_wrong_layer(tmp_path, monkeypatch):
     record = json.loads((tmp_path / "out.json").read_text())
     assert not record["model_check"]["ok"] or not record["transformer_conv"]["ok"]
     assert "epochs" not in record
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "foo"], "--device 'foo' is not a torch device"),
+    (["--epochs", "0"], "--epochs must be >= 1 (got 0)"),
+])
+def test_bad_arguments_exit_with_status_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        load("pyg_tgn").main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
