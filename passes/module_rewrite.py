@@ -55,6 +55,7 @@ class ModuleRewrite:
 
     name = "rewrite_module"
     op = ""
+    replacement: type = type(None)  # the mixin of the modules it builds (recognized as done)
 
     def __init__(self) -> None:
         self.matches = 0

@@ -43,6 +43,10 @@ def rewrite_module(module: nn.Module, path: str, report: RewriteReport,
     where = path or "<root>"
     for rule in rules:
         classes = rule.classes()
+        if isinstance(module, rule.replacement):
+            report.left_alone.append(LeftAlone(rule.name, where, "already optimized (a module "
+                                                                 "this rule built); kept as it is"))
+            return module
         if type(module) in classes:
             reason = rule.unsupported(module)
             if reason is not None:

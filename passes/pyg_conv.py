@@ -153,6 +153,10 @@ class _PygConvRule(ModuleRewrite):
             out.append(f"dropout={module.dropout}")
         return out
 
+    @property
+    def replacement(self) -> type:
+        return self.mixin
+
     def build(self, module: nn.Module) -> nn.Module:
         return shared_copy(module, _fused_class(self.mixin, type(module)))
 

@@ -272,6 +272,7 @@ class TensorizeTgnMemory(ModuleRewrite):
 
     name = "tensorize_tgn_memory"
     op = "tensor_message_store"
+    replacement = TensorTgnMemory
 
     def classes(self) -> Tuple[type, ...]:
         cls = tgn_memory_class()

@@ -154,3 +154,10 @@ def test_bad_input_names_the_value_and_the_fix(call, match):
     fast = fastopt.optimize(_memory(LastAggregator))
     with pytest.raises(DataError, match=match):
         call(fast)
+
+
+def test_optimizing_twice_keeps_the_replacement():
+    fast = fastopt.optimize(_memory(LastAggregator))
+    again = fastopt.optimize(fast)
+    assert again is fast
+    assert any("already optimized" in a.reason for a in again.fastopt_report.left_alone)
