@@ -203,6 +203,9 @@ class PipelineConfig:
     # whole training steps (forward, loss, backward, Adam, write-back) replayed from CUDA graphs,
     # one per batch shape: "auto" (for a model fastopt.optimize returned, on CUDA), "on", "off"
     step_graphs: str = "auto"
+    # start from the padded lengths an earlier run with the same events and sampling reached (kept
+    # beside the kernel cache), so that its first epoch captures one step per batch size (CUDA)
+    shape_plans: bool = True
 
 
 @dataclass

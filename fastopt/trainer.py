@@ -200,6 +200,8 @@ class Trainer:
         self.loader = Loader(graph, self.sampler, self.device, self.config,
                              edge_rows=getattr(model, "reads_edge_rows", False))
         self.negatives = self.loader.negatives
+        self._shape_plan = self._load_shape_plan(graph) if self.device.type == "cuda" \
+            and self.config.pipeline.shape_plans else None
         self.log_path = Path(log_path) if log_path else None
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.epoch = 0
@@ -207,6 +209,33 @@ class Trainer:
         self.test_metrics: dict = {}
         self.test_seconds = 0.0
         self._best_state: Optional[dict] = None  # weights and state of the best epoch (restore_best)
+
+    def _high_waters(self) -> dict:
+        """The padded lengths that shape a captured step: the loader's and the sampler's."""
+        found = {"loader": self.loader.high_water, "sampler": getattr(self.sampler, "high_water", None)}
+        return {name: hw for name, hw in found.items() if hw is not None}
+
+    def _load_shape_plan(self, graph: TemporalGraph):
+        """Seed the padded lengths from an earlier run's (runtime/shape_plans.py); ``(folder, key)``."""
+        from fastopt.codegen.cache import default_cache_dir
+        from fastopt.runtime.shape_plans import load_lengths, plan_key
+
+        s, sampler = self.config.sampler, self.sampler
+        key = plan_key(graph.src, graph.dst, graph.ts, fanouts=list(getattr(self.model, "fanouts", [])),
+                       strategy=getattr(self.model, "strategy", "recent"), undirected=s.undirected,
+                       dedup=s.dedup, hop_dedup=bool(getattr(sampler, "hop_dedup", False)),
+                       batch_size=self.config.train.batch_size)
+        plan = (default_cache_dir() / "plans", key)
+        saved = load_lengths(*plan)
+        for name, high_water in self._high_waters().items():
+            high_water.seed(saved.get(name, {}))
+        return plan
+
+    def _save_shape_plan(self) -> None:
+        if self._shape_plan is not None:
+            from fastopt.runtime.shape_plans import save_lengths
+
+            save_lengths(*self._shape_plan, {name: dict(hw.lengths) for name, hw in self._high_waters().items()})
 
     # ----------------------------------------------------------------------------- inputs
     def build_inputs(self, roots: np.ndarray, times: np.ndarray) -> GraphInputs:
@@ -357,6 +386,7 @@ class Trainer:
                     bar.set_postfix(loss=f"{float(loss):.4f}",
                                     ev_s=f"{(batch.stop - split.start) / max(elapsed, 1e-9):,.0f}")
         mean_loss = float(total_loss)  # the epoch's one wait for the device
+        self._save_shape_plan()
         seconds = time.perf_counter() - t0
         n = split.stop - split.start
         return EpochStats(epoch, mean_loss / max(n, 1), seconds, n / seconds, timer.totals(),

@@ -112,6 +112,13 @@ class HighWater:
         self.lengths: Dict[str, int] = {}
         self._lock = threading.Lock()  # staging threads raise lengths concurrently
 
+    def seed(self, lengths: Dict[str, int]) -> None:
+        """Start from ``lengths`` (an earlier run's :attr:`lengths`,
+        :mod:`~fastopt.runtime.shape_plans`): each kind pads to at least that from its first batch."""
+        with self._lock:
+            for kind, n in lengths.items():
+                self.lengths[kind] = max(self.lengths.get(kind, 0), int(n))
+
     def __call__(self, kind: str, n: int) -> int:
         with self._lock:
             self.lengths[kind] = length = max(self.lengths.get(kind, 0), bucket(n))

@@ -335,6 +335,12 @@ cdef class TemporalSampler:
     def epoch(self):
         return int(self._epoch)
 
+    @property
+    def high_water(self):
+        """The padded lengths of merged layers (a :class:`~fastopt.runtime.inputs.HighWater`),
+        None without ``pad_rows``."""
+        return self._high_water
+
     def reset(self, epoch=None):
         """Start an epoch: rewind the per-node time pointers; ``epoch`` defaults to the next one."""
         with self._lock:

@@ -165,3 +165,24 @@ def test_the_copy_stream_is_never_a_capture_stream(small_graph):
     assert copy_stream(torch.device("cuda")).cuda_stream == t.loader._copy_stream.cuda_stream
     t.fit(1)  # a capture on a pool stream while the loader copies
     assert t._step_graphs.captures >= 1 and t._step_graphs.disabled is None
+
+
+def test_a_second_run_starts_from_the_first_runs_lengths(small_graph):
+    """Padded lengths saved by one run seed the next one with the same events and sampling: its
+    first epoch runs at most two step shapes (the full batches and the shorter last one)."""
+    cfg = Config()
+    cfg.train.device, cfg.train.batch_size, cfg.train.mrr_negatives = "cuda", 200, 0
+    cfg.train.optimize, cfg.pipeline.step_graphs = "on", "on"
+    kwargs = dict(dim=16, time_dim=8, fanouts=(4, 3), dropout=0.0)
+    first = Trainer(build_model("tgat", small_graph, **kwargs), small_graph, cfg, progress=False)
+    first.train_epoch(0)
+    folder, key = first._shape_plan
+    assert (folder / f"{key}.json").exists()
+    second = Trainer(build_model("tgat", small_graph, **kwargs), small_graph, cfg, progress=False)
+    assert second._shape_plan == first._shape_plan
+    assert second.loader.high_water.lengths == first.loader.high_water.lengths
+    assert second.sampler.high_water.lengths == first.sampler.high_water.lengths
+    second.train_epoch(0)
+    shapes = len(second._step_graphs._entries)
+    assert shapes <= 2 and second._step_graphs.captures >= 1
+    assert len(first._step_graphs._entries) >= shapes
