@@ -5,7 +5,8 @@ destination ``dst[e]``) attend over each destination's incoming edges. These ope
 edges to the neighbor layout of :func:`~fastopt.codegen.temporal_attention` and run its kernels:
 the edges are sorted by destination (stable, so each row keeps the edges' order), a CSR
 ``indptr [N + 1]`` counts them per destination, and a slot index ``[N, K]`` names the edge (or
-the table row) of each slot, ``K`` being the largest in-degree. Keys and values are never
+the table row) of each slot, ``K`` being the largest in-degree rounded up to a power of two (the
+kernels are specialized per ``K``; the slots past a row's count are masked). Keys and values are never
 expanded to the slot layout: the kernels read them by index.
 
 - :func:`edge_attention`: scores ``q[dst] . k_e * scale`` (dot products);
@@ -152,7 +153,10 @@ def edge_attention(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, *,
         # zeros that stay connected to q, k and v (zero gradients, as the sum over no edge has)
         return q.new_zeros(q.shape) + (q[:0].sum() + k[:0].sum() + v[:0].sum())
     indptr, perm = edge_csr(dst, rows)
-    slots = _check_values(q, k, v, dst, indptr[1:] - indptr[:-1], k_index, v_index)
+    degree = _check_values(q, k, v, dst, indptr[1:] - indptr[:-1], k_index, v_index)
+    # slots rounded up to a power of two: the kernels specialize per slot count, and a layer's
+    # largest in-degree changes from call to call
+    slots = 1 << (degree - 1).bit_length()
     if rows * slots > PADDING_LIMIT * (edges + rows):
         return reference_edge_attention(q, k, v, dst, k_index=k_index, v_index=v_index,
                                         scale=scale, dropout_p=dropout_p, seed=seed)

@@ -165,3 +165,16 @@ def test_pyg_layers_run_on_the_kernels(device, triton_backend, layer):
     for a, b in zip(torch.autograd.grad(got.sum(), [xb, *fast.parameters()]),
                     torch.autograd.grad(want.sum(), [xa, *conv.parameters()])):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_slots_are_the_largest_degree_rounded_to_a_power_of_two(monkeypatch):
+    """Kernels specialize per slot count: degrees 5 and 7 share the 8-slot kernel."""
+    seen = []
+    real = family.temporal_attention
+    monkeypatch.setattr(family, "temporal_attention",
+                        lambda q, k, v, **kw: seen.append(kw["k_index"].shape[1]) or real(q, k, v, **kw))
+    for degree in (5, 7, 1):
+        dst = torch.zeros(degree, dtype=torch.long)
+        q, k, v = torch.randn(3, 1, 2), torch.randn(degree, 1, 2), torch.randn(degree, 1, 2)
+        cg.edge_attention(q, k, v, dst)
+    assert seen == [8, 8, 1]
