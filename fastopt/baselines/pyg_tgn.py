@@ -33,8 +33,10 @@ install raises :class:`~fastopt.errors.FastOptError` naming ``pip install "fasto
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
+import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
@@ -191,7 +193,6 @@ def verify_modules(graph, modules: Callable[[nn.Module], nn.Module], *, batch_si
     other.apply_to_modules(modules)
     negatives = _Negatives(graph.destination_pool(), seed)
     largest = {"logits": 0.0, "gradients": 0.0, "memory": 0.0}
-    mismatch = None
     runs = []
     for model in (eager, other):
         model.reset_state()
@@ -199,6 +200,32 @@ def verify_modules(graph, modules: Callable[[nn.Module], nn.Module], *, batch_si
         model.gnn.eval()
         runs.append((model, torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)))
     criterion = nn.BCEWithLogitsLoss()
+    with _deterministic():
+        done, largest, mismatch = _compare_steps(graph, batch_size, steps, runs, criterion, stream,
+                                                 negatives, dev, largest)
+    return {"ok": mismatch is None, "steps": done, "largest": largest, "first_mismatch": mismatch}
+
+
+@contextlib.contextmanager
+def _deterministic() -> Iterator[None]:
+    """Deterministic algorithms where torch has them (warnings, not errors, where it has none):
+    on CUDA, PyG's ``LastAggregator`` picks among messages of equal time by an indexed write with
+    repeated indices, which may land differently in two runs of the same batch otherwise."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*deterministic.*")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def _compare_steps(graph, batch_size, steps, runs, criterion, stream, negatives, dev, largest):
+    """``verify_modules``' loop: ``(steps done, largest differences, first mismatch or None)``."""
+    (eager, _), (other, _) = runs
+    mismatch = None
     done = 0
     for b, start, stop in _batches(graph, "train", batch_size):
         if done == steps:
@@ -230,7 +257,7 @@ def verify_modules(graph, modules: Callable[[nn.Module], nn.Module], *, batch_si
         # differences in tiny gradients would otherwise compound through Adam's normalization
         other.load_state_dict(eager.state_dict())
         done += 1
-    return {"ok": mismatch is None, "steps": done, "largest": largest, "first_mismatch": mismatch}
+    return done, largest, mismatch
 
 
 # --------------------------------------------------------------------------------- PyG import
