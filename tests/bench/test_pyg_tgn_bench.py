@@ -60,7 +60,7 @@ def test_verify_modules_accepts_fastopt_and_rejects_a_wrong_memory(small):
 def _args(tmp_path):
     return ["--device", "cpu", "--events", str(EVENTS), "--edge-dim", "8", "--batch-size", "200",
             "--epochs", "1", "--iters", "1", "--warmup", "0", "--conv-batch", "3",
-            "--verify-steps", "2", "--json", str(tmp_path / "out.json")]
+            "--verify-steps", "2", "--seeds", "0", "1", "--json", str(tmp_path / "out.json")]
 
 
 def test_bench_passes_and_records(tmp_path):
@@ -69,7 +69,9 @@ def test_bench_passes_and_records(tmp_path):
     record = json.loads((tmp_path / "out.json").read_text())
     assert record["model_check"]["ok"] and record["transformer_conv"]["ok"]
     assert record["transformer_conv"]["eager_ms"] > 0 and record["epoch_speedup"] > 0
-    assert set(record["epochs"]) == {"pyg", "fastopt"}
+    assert set(record["epochs"]) == {"pyg", "fastopt"} and record["seeds"] == [0, 1]
+    assert all(len(runs) == 2 for runs in record["epochs"].values())
+    assert len(record["test_ap"]["fastopt"]) == 2
     assert "git_commit" in record and record["gpu"] is None
 
 
