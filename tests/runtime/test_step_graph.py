@@ -97,6 +97,11 @@ def test_trainer_with_step_graphs_matches_eager_steps(small_graph, name):
                     off = ((a - b).abs() > 1e-4 + 1e-3 * b.abs()).float().mean()
                     assert off < 0.05 and (a - b).abs().mean() < 1e-3, (key, float(off))
                 continue
+            if key.endswith("w_k.bias"):
+                # the keys' bias adds one constant to all scores of a row, which the softmax removes:
+                # its gradient is rounding noise, which Adam scales up to steps of ~0.1 lr, so two
+                # runs rounding differently walk it apart
+                continue
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=lambda m: f"{key}, epoch {epoch}: {m}")
     # test AP over the small graph's 450 test events: one pair of scores swapping order moves it by
     # ~2e-3, which weights equal to rtol 1e-3 allow (TGAT with merged repeats: 4.2e-3 on the H200)
