@@ -78,7 +78,7 @@ def _plain_call(module: nn.Module, edge_index, x) -> bool:
         return False
     if module.training and module.dropout > 0 and not default_config().passes.fuse_dropout:
         return False  # unfused dropout draws as the layer does (verify=True relies on it)
-    return not any(getattr(module, name) for name in _hook_dicts(module))
+    return not any(getattr(module, name) for name in module._fastopt_hook_names)
 
 
 def _dropout(module: nn.Module, like: Tensor) -> Tuple[float, object]:
@@ -158,7 +158,9 @@ class _PygConvRule(ModuleRewrite):
         return self.mixin
 
     def build(self, module: nn.Module) -> nn.Module:
-        return shared_copy(module, _fused_class(self.mixin, type(module)))
+        new = shared_copy(module, _fused_class(self.mixin, type(module)))
+        new.__dict__["_fastopt_hook_names"] = _hook_dicts(module)  # PyG's propagate/message hooks
+        return new
 
 
 @functools.lru_cache(maxsize=None)

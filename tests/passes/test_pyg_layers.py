@@ -229,3 +229,13 @@ def test_verify_catches_a_wrong_fused_layer(reference_backend, monkeypatch):
     x, edge_index, edge_attr = _graph()
     with pytest.raises(TraceError, match="verify=True"):
         fast(x, edge_index, edge_attr)
+
+
+def test_a_layer_with_propagate_hooks_runs_its_own_forward(reference_backend):
+    layer = LAYERS["gatv2"]().eval()
+    calls = []
+    layer.register_propagate_forward_hook(lambda module, inputs, output: calls.append(1))
+    fast = fastopt.optimize(layer)
+    x, edge_index, edge_attr = _graph()
+    fast(x, edge_index, edge_attr)
+    assert calls == [1]
