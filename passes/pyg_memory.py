@@ -11,10 +11,11 @@ messages in two logs on the device:
 - per node, where its events start in the log and how many there are (``ptr``, ``cnt``).
 
 Storing a batch is a handful of scatters with no host synchronization (besides the
-``unique`` of the batch's nodes PyG's ``update_state`` takes, and, with
-``config.kernels.check_inputs``, one read of the node ids' range: bad ids raise
-:class:`~fastopt.errors.DataError` instead of a device-side assert); collecting the messages of
-``n_id`` reads back their total count, once per memory update (to size the gather). When the
+``unique`` of the batch's nodes PyG's ``update_state`` takes); collecting the messages of
+``n_id`` reads back their total count, once per memory update (to size the gather), and with
+``config.kernels.check_inputs`` the ids' range in the same read (bad ids raise
+:class:`~fastopt.errors.DataError`, not a device-side assert; in eval mode, where nothing is
+collected, the range is read on its own). When the
 log is full it is compacted to the events still referenced (one read of their count). The
 messages, the aggregation (the module's own ``aggr_module``: ``LastAggregator``,
 ``MeanAggregator`` or any other), the message modules, the time encoder and the GRU run on the
@@ -136,8 +137,16 @@ class TensorTgnMemory:
     def _fo_collect(self, n_id: Tensor) -> Dict[str, Tuple[Tensor, Tensor, Tensor, Tensor]]:
         """Per direction ``(src, dst, t, raw_msg)`` of the events stored for ``n_id``, in
         PyG's order (node by node as in ``n_id``, each node's events as stored)."""
-        counts = {side: self._fo_get(side, "cnt")[n_id] for side in _SIDES}
-        totals = torch.stack([counts[s].sum() for s in _SIDES]).tolist()  # the one host read
+        checking = default_config().kernels.check_inputs and n_id.numel() > 0
+        # ids clamped until their range is read, so that a bad one raises DataError here rather
+        # than a device-side assert in the gathers
+        at = n_id.clamp(0, self.num_nodes - 1) if checking else n_id
+        counts = {side: self._fo_get(side, "cnt")[at] for side in _SIDES}
+        parts = [counts[s].sum() for s in _SIDES] + (list(torch.aminmax(n_id)) if checking else [])
+        read = torch.stack(parts).tolist()  # the one host read
+        if checking:
+            self._fo_in_range(*read[2:])
+        totals = read[:2]
         out = {}
         for side, total in zip(_SIDES, totals):
             ptr = self._fo_get(side, "ptr")[n_id]
@@ -165,10 +174,11 @@ class TensorTgnMemory:
         self._fo_check(n_id=n_id)
         if self.training:
             return self._fo_updated_memory(n_id)
+        self._fo_check_range(n_id)
         return self.memory[n_id], self.last_update[n_id]
 
     def _fo_check(self, raw_msg: Optional[Tensor] = None, **ids: Tensor) -> None:
-        """Shapes always; node ids in range with ``config.kernels.check_inputs`` (one host read)."""
+        """Shapes (the ids' range is read with the message counts, :meth:`_fo_collect`)."""
         lengths = {name: t.numel() for name, t in ids.items()}
         for name, t in ids.items():
             if not isinstance(t, Tensor) or t.dim() != 1:
@@ -183,20 +193,25 @@ class TensorTgnMemory:
             raise DataError(f"raw_msg has shape {tuple(raw_msg.shape)}, expected "
                             f"({lengths['t']}, {self.raw_msg_dim}) (one raw message of raw_msg_dim "
                             f"per event)")
-        nodes = [t for name, t in ids.items() if name != "t" and t.numel()]
-        if nodes and default_config().kernels.check_inputs:
-            bounds = torch.stack([b for t in nodes for b in torch.aminmax(t)]).tolist()
-            low, high = min(bounds[0::2]), max(bounds[1::2])
-            if low < 0 or high >= self.num_nodes:
-                bad = low if low < 0 else high
-                raise DataError(f"node id {bad} is outside [0, {self.num_nodes}), the memory's "
-                                f"num_nodes; build TGNMemory with more nodes or remap the ids")
+
+    def _fo_in_range(self, low: int, high: int) -> None:
+        if low < 0 or high >= self.num_nodes:
+            bad = low if low < 0 else high
+            raise DataError(f"node id {bad} is outside [0, {self.num_nodes}), the memory's "
+                            f"num_nodes; build TGNMemory with more nodes or remap the ids")
+
+    def _fo_check_range(self, n_id: Tensor) -> None:
+        """Node ids in range, with ``config.kernels.check_inputs`` (one host read)."""
+        if n_id.numel() and default_config().kernels.check_inputs:
+            self._fo_in_range(*torch.stack(list(torch.aminmax(n_id))).tolist())
 
     def update_state(self, src: Tensor, dst: Tensor, t: Tensor, raw_msg: Tensor) -> None:
         self._fo_check(raw_msg, src=src, dst=dst, t=t)
         n_id = torch.cat([src, dst]).unique()
         if self.training:
-            self._fo_update_memory(n_id)
+            self._fo_update_memory(n_id)  # reads the ids' range before any write
+        else:
+            self._fo_check_range(n_id)  # the stores below write by id
         self._fo_store("s", src, dst, t, raw_msg)
         self._fo_store("d", dst, src, t, raw_msg)
         if not self.training:
@@ -219,8 +234,8 @@ class TensorTgnMemory:
         return msg_module(self.memory[src], self.memory[dst], raw, t_enc)
 
     def _fo_updated_memory(self, n_id: Tensor) -> Tuple[Tensor, Tensor]:
+        stored = self._fo_collect(n_id)  # first: it checks the ids
         self._assoc[n_id] = torch.arange(n_id.size(0), device=n_id.device)
-        stored = self._fo_collect(n_id)
         msg_s = self._fo_messages(stored["s"], self.msg_s_module)
         msg_d = self._fo_messages(stored["d"], self.msg_d_module)
         idx = torch.cat([stored["s"][0], stored["d"][0]], dim=0)

@@ -161,3 +161,13 @@ def test_optimizing_twice_keeps_the_replacement():
     again = fastopt.optimize(fast)
     assert again is fast
     assert any("already optimized" in a.reason for a in again.fastopt_report.left_alone)
+
+
+def test_bad_ids_in_eval_mode_are_refused_before_any_write():
+    fast = fastopt.optimize(_memory(LastAggregator)).eval()
+    with pytest.raises(DataError, match=rf"node id {NODES + 3} is outside"):
+        fast.update_state(torch.tensor([0, NODES + 3]), torch.tensor([1, 2]), torch.tensor([1, 2]),
+                          torch.zeros(2, RAW))
+    assert fast.stored_messages("s") == {}
+    with pytest.raises(DataError, match=r"node id -2 is outside"):
+        fast(torch.tensor([-2]))
