@@ -51,6 +51,8 @@ def _add_train(sub) -> None:
     _add_run_flags(p, "training epochs (default 10)")
     p.add_argument("--batch-size", type=int, default=None, help="positive events per batch (default 200)")
     p.add_argument("--lr", type=float, default=None, help="Adam learning rate (default 1e-4)")
+    p.add_argument("--adam", default=None, choices=("auto", "fused", "foreach", "single"),
+                   help="Adam's implementation: the same update, rounded differently (default auto)")
     p.add_argument("--edge-dim", type=int, default=None, help="random edge features of this width when the data has none")
     p.add_argument("--mrr-negatives", type=int, default=None, help="negatives per positive for test MRR (default 20)")
     p.add_argument("--patience", type=int, default=None,
@@ -113,7 +115,7 @@ def _add_data(sub) -> None:
 
 
 # flags setting config values: (group, field); a flag's name is the field's with dashes
-_FLAGS = tuple(("train", name) for name in ("epochs", "batch_size", "lr", "device", "seed", "edge_dim",
+_FLAGS = tuple(("train", name) for name in ("epochs", "batch_size", "lr", "adam", "device", "seed", "edge_dim",
                                              "node_dim", "mrr_negatives", "patience")) + \
     tuple(("model", name) for name in ("fanouts", "memory_dim", "dim", "time_dim", "heads", "dropout",
                                        "mailbox_size", "node_embedding"))

@@ -240,6 +240,10 @@ class TrainConfig:
     batch_size: int = 200
     # Adam learning rate
     lr: float = 1e-4
+    # Adam's implementation, one update rounded differently: "auto" (fused on CUDA, the capturable
+    # multi-tensor one inside whole-step CUDA graphs, the single-tensor one on the CPU), "fused",
+    # "foreach" or "single"
+    adam: str = "auto"
     # seed of every random choice (weights, negatives, sampling, dropout)
     seed: int = 0
     # "auto" (cuda if available), "cpu" or "cuda[:N]"
@@ -379,6 +383,8 @@ class Config:
                self.pipeline.step_graphs, "one of 'auto', 'on', 'off'")
         _check(self.train.optimize in ("auto", "on", "off"), "train.optimize", self.train.optimize,
                "one of 'auto' (on CUDA), 'on', 'off'")
+        _check(self.train.adam in ("auto", "fused", "foreach", "single"), "train.adam", self.train.adam,
+               "one of 'auto', 'fused', 'foreach', 'single'")
         _check(0.0 <= self.cache.budget_fraction <= 1.0, "cache.budget_fraction",
                self.cache.budget_fraction, "in [0, 1]")
         _check(self.cache.policy in ("static", "lru", "future", "auto"), "cache.policy",

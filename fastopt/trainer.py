@@ -72,15 +72,19 @@ def make_sampler(graph: TemporalGraph, fanouts, strategy: str, config: Config, *
                         hop_dedup=hop_dedup and config.sampler.hop_dedup)
 
 
-def make_optimizer(params, lr: float, device: torch.device, capturable: bool = False) -> torch.optim.Optimizer:
-    """Adam; on CUDA the fused implementation (one launch per group of tensors, steps kept on the
-    device, so an optimizer step never waits for the host), or with ``capturable`` the
-    multi-tensor one that a CUDA graph can capture (its launches cost nothing inside a graph)."""
-    if device.type == "cuda" and capturable:
-        return torch.optim.Adam(params, lr=lr, foreach=True, capturable=True)
-    if device.type == "cuda":
-        return torch.optim.Adam(params, lr=lr, fused=True)
-    return torch.optim.Adam(params, lr=lr)
+def make_optimizer(params, lr: float, device: torch.device, capturable: bool = False,
+                   kind: str = "auto") -> torch.optim.Optimizer:
+    """Adam. ``kind`` ``"auto"``: on CUDA the fused implementation (one launch per group of
+    tensors, steps kept on the device, so an optimizer step never waits for the host), or with
+    ``capturable`` the multi-tensor one that a CUDA graph can capture (its launches cost nothing
+    inside a graph); the single-tensor one on the CPU. ``"fused"``, ``"foreach"``, ``"single"``
+    (``config.train.adam``) pick one: the same update, rounded differently."""
+    if kind == "auto":
+        kind = ("foreach" if capturable else "fused") if device.type == "cuda" else "single"
+    extra = {"capturable": True} if capturable else {}
+    if kind == "fused":
+        return torch.optim.Adam(params, lr=lr, fused=True, **extra)
+    return torch.optim.Adam(params, lr=lr, foreach=kind == "foreach", **extra)
 
 
 def tuning_fingerprint(model: nn.Module) -> dict:
@@ -185,7 +189,8 @@ class Trainer:
             model = optimize(model, config=self.config)
         self.model = model
         capture = wants_step_graphs(self.config, self.device, hasattr(model, "fastopt_report"))
-        self.optimizer = make_optimizer(self.model.parameters(), tc.lr, self.device, capturable=capture)
+        self.optimizer = make_optimizer(self.model.parameters(), tc.lr, self.device, capturable=capture,
+                                        kind=tc.adam)
         self._step_graphs = None
         if capture:
             from fastopt.runtime.step_graph import StepGraphs

@@ -78,3 +78,22 @@ def test_patch_restores_defaults():
 def test_bad_values_name_value_and_limit(key, value, fragment):
     with pytest.raises(ConfigError, match=fragment):
         Config().set(key, value)
+
+
+def test_adam_implementation_is_chosen_and_checked():
+    import torch
+
+    from fastopt.config import Config
+    from fastopt.errors import ConfigError
+    from fastopt.trainer import make_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    picked = {k: make_optimizer(params, 1e-3, torch.device("cpu"), kind=k).defaults
+              for k in ("auto", "fused", "foreach", "single")}
+    assert picked["fused"]["fused"] and picked["foreach"]["foreach"]
+    assert not picked["single"]["foreach"] and not picked["single"]["fused"]
+    assert not picked["auto"]["foreach"] and not picked["auto"]["fused"]  # the CPU's single-tensor Adam
+    cfg = Config()
+    with pytest.raises(ConfigError, match="train.adam"):
+        cfg.set("train.adam", "sgd")
+        cfg.validate()
