@@ -10,7 +10,12 @@
 # run STEPS=tests as a call of its own (TESTS: the test paths, default all). PROFILE=1 also writes torch.profiler tables of the eager and
 # fastopt steps (profiles.tar.gz). STEPS picks the steps (default "tests kernels optimize"; also
 # "breakdown" (bench/step_breakdown.py) and "projections" (bench/projections.py)): one device
-# command may run 10 minutes, so split them over calls.
+# command may run 10 minutes, so split them over calls. The end-to-end steps: "bench" (fastopt
+# bench for TGAT and TGN, CONTENDERS per model, then each model's fastopt again in a second process
+# for the first epoch with the kernel cache warm; bench.log, bench-*.json), "accuracy"
+# (bench/accuracy.py, 10 epochs x SEEDS, eager, eager-foreach and fastopt; accuracy.{log,json})
+# and "pyg" (bench/pyg_tgn.py; pyg.{log,json}). The tuner's tests need optuna there: carry its
+# wheels (device README) and put them on PYTHONPATH before this script.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the output folder}
@@ -27,6 +32,25 @@ STEPS=${STEPS:-tests kernels optimize}
     --json "$OUT/breakdown.json" > "$OUT/breakdown.log" 2>&1
 [[ " $STEPS " == *" projections "* ]] && timeout "${PROJECTIONS_S:-240}" python3 bench/projections.py \
     --json "$OUT/projections.json" > "$OUT/projections.log" 2>&1
+if [[ " $STEPS " == *" bench "* ]]; then
+    for m in tgat tgn; do
+        c=${CONTENDERS:-eager,fastopt}; [ "$m" = tgn ] && c=${TGN_CONTENDERS:-eager,pyg,fastopt}
+        timeout "${BENCH_S:-110}" fastopt bench --model $m --batch-size 600 --epochs 3 --contenders "$c" \
+            --no-progress --json "$OUT/bench-$m.json" >> "$OUT/bench.log" 2>&1
+    done
+    for m in tgn tgat; do  # a new process: kernel cache and shape plans warm
+        timeout "${WARM_S:-40}" fastopt bench --model $m --batch-size 600 --epochs 2 --contenders fastopt \
+            --no-progress --json "$OUT/bench-$m-warm.json" >> "$OUT/bench.log" 2>&1
+    done
+fi
+[[ " $STEPS " == *" accuracy "* ]] && FASTOPT_SAMPLER_THREADS=2 timeout "${ACCURACY_S:-300}" python3 bench/accuracy.py \
+    --datasets wikipedia --seeds ${SEEDS:-0 1 2} --variants eager eager-foreach fastopt --jobs "${JOBS:-12}" \
+    --json "$OUT/accuracy.json" -- --batch-size 600 --edge-dim 172 --mrr-negatives 0 > "$OUT/accuracy.log" 2>&1
+[[ " $STEPS " == *" pyg "* ]] && timeout "${PYG_S:-300}" python3 bench/pyg_tgn.py --device cuda --epochs 5 \
+    --seeds ${SEEDS:-0 1 2} --json "$OUT/pyg.json" > "$OUT/pyg.log" 2>&1
+[ -f "$OUT/bench.log" ] && grep -E "^(eager|tgl|pyg|compile|fastopt) " "$OUT/bench.log"
+[ -f "$OUT/accuracy.log" ] && tail -16 "$OUT/accuracy.log"
+[ -f "$OUT/pyg.log" ] && tail -12 "$OUT/pyg.log"
 [ -f "$OUT/kernels.log" ] && { grep -A30 "graph replay" "$OUT/kernels.log"
                                grep -B1 -A12 "copy bandwidth" "$OUT/kernels.log" | head -8; }
 [ -f "$OUT/optimize.log" ] && tail -12 "$OUT/optimize.log"
