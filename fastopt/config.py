@@ -7,7 +7,8 @@ knobs with :func:`patch`, never by mutating the global::
     with fastopt.config.patch(sampler__threads=1):
         ...
 
-This module imports nothing of fastopt but :mod:`fastopt.errors`; every layer may import it.
+This module imports nothing of fastopt but :mod:`fastopt.errors` and the syntax of
+``kernels.op_overrides`` (:mod:`fastopt.op_overrides`); every layer may import it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Union
 
-from fastopt.errors import ConfigError
+from fastopt.errors import ConfigError, check_setting as _check
+from fastopt.op_overrides import OP_OVERRIDE_FIELDS, format_op_overrides, parse_op_overrides
 
 # OpenMP threads (PyTorch's and the sampler's share one runtime) must sleep, not spin, between
 # parallel regions: with few, busy cores a spinning team makes the next loop wait for a
@@ -472,69 +474,6 @@ class Config:
         return copy.deepcopy(self)
 
 
-# the mapping fields kernels.op_overrides may set per fused op (those its kernels read); the
-# attention's also apply to its backward's segmented reduction, and to shared_attention
-OP_OVERRIDE_FIELDS = {
-    "temporal_attention": ("rows_per_program", "block_m", "heads_per_program", "num_warps",
-                           "num_stages", "max_registers", "gather_eviction"),
-    "masked_aggregate": ("rows_per_program", "block_k", "block_m", "num_warps", "num_stages",
-                         "max_registers"),
-    "time_encode": ("block_k", "num_warps", "num_stages", "max_registers"),
-}
-
-
-def parse_op_overrides(text: str) -> dict:
-    """``kernels.op_overrides`` as ``{(op, (K, H, d)): {field: value}}``.
-
-    Raises:
-        ConfigError: naming the entry, the rule it breaks and the form expected.
-    """
-    form = "write op@KxHxd:field=value,... entries joined by ';', e.g. temporal_attention@10x2x50:block_m=1,num_warps=2"
-    out: dict = {}
-    for entry in filter(None, (e.strip() for e in text.split(";"))):
-        head, _, body = entry.partition(":")
-        op, _, dims = head.strip().partition("@")
-        shape = tuple(int(x) for x in dims.split("x") if x.isdigit())
-        if op not in OP_OVERRIDE_FIELDS or len(shape) != 3 or len(dims.split("x")) != 3 or min(shape) < 1:
-            raise ConfigError(f"kernels.op_overrides entry {entry!r} must start with one of "
-                              f"{', '.join(OP_OVERRIDE_FIELDS)} and a shape KxHxd of positive sizes; {form}")
-        if (op, shape) in out:
-            raise ConfigError(f"kernels.op_overrides names {head.strip()!r} twice; merge its fields into one entry")
-        fields = out[(op, shape)] = {}
-        for item in filter(None, (i.strip() for i in body.split(","))):
-            name, _, value = (x.strip() for x in item.partition("="))
-            if name not in OP_OVERRIDE_FIELDS[op]:
-                raise ConfigError(f"kernels.op_overrides: {op} has no field {name!r} (its fields: "
-                                  f"{', '.join(OP_OVERRIDE_FIELDS[op])}); {form}")
-            fields[name] = _override_value(op, name, value)
-        if not fields:
-            raise ConfigError(f"kernels.op_overrides entry {entry!r} sets no field; {form}")
-    return out
-
-
-def _override_value(op: str, name: str, value: str):
-    if name == "gather_eviction":
-        _check(value in ("none", "evict_last"), f"kernels.op_overrides {op}.{name}", value,
-               "'none' or 'evict_last'")
-        return value
-    number = int(value) if value.isdigit() else -1
-    if name.startswith("block_") or name == "heads_per_program":
-        _check(number >= 1 and number & (number - 1) == 0, f"kernels.op_overrides {op}.{name}",
-               value, "a power of two >= 1")
-    elif name == "max_registers":
-        _check(24 <= number <= 255, f"kernels.op_overrides {op}.{name}", value, "in [24, 255]")
-    else:
-        _check(number >= 1, f"kernels.op_overrides {op}.{name}", value, "an integer >= 1")
-    return number
-
-
-def format_op_overrides(overrides: dict) -> str:
-    """The ``kernels.op_overrides`` text of ``{(op, (K, H, d)): {field: value}}`` (sorted; ops
-    with no field left out): what :func:`parse_op_overrides` reads back."""
-    return ";".join(f"{op}@{'x'.join(map(str, shape))}:" + ",".join(f"{k}={v}" for k, v in sorted(fields.items()))
-                    for (op, shape), fields in sorted(overrides.items()) if fields)
-
-
 def _group_names() -> list[str]:
     return [f.name for f in dataclasses.fields(Config)]
 
@@ -549,11 +488,6 @@ def resolve_config(config: Any) -> Config:
     if isinstance(config, dict):
         return Config.from_dict(config)
     raise ConfigError(f"config must be 'auto', a fastopt.Config or a dict (got {type(config).__name__})")
-
-
-def _check(ok: bool, name: str, value: Any, limit: str) -> None:
-    if not ok:
-        raise ConfigError(f"{name} must be {limit} (got {value!r}); set a value in that range")
 
 
 def _coerce(name: str, value: Any, ftype: Any) -> Any:

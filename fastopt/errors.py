@@ -14,6 +14,7 @@ __all__ = [
     "FastOptError",
     "DataError",
     "ConfigError",
+    "check_setting",
     "SamplerError",
     "CacheError",
     "KernelError",
@@ -34,6 +35,12 @@ class DataError(FastOptError, ValueError):
 
 class ConfigError(FastOptError, ValueError):
     """A configuration value is out of range or of the wrong type."""
+
+
+def check_setting(ok: bool, name: str, value, limit: str) -> None:
+    """Raise :class:`ConfigError` naming setting ``name``, its ``value`` and the ``limit`` it breaks."""
+    if not ok:
+        raise ConfigError(f"{name} must be {limit} (got {value!r}); set a value in that range")
 
 
 class SamplerError(FastOptError, ValueError):

@@ -3,7 +3,8 @@
 Every ``import`` of a fastopt module, at module level or inside a function, is read from the
 source with :mod:`ast`. A folder may import its own modules and the layers its row allows:
 
-* ``errors`` nothing of fastopt, ``config`` only ``errors`` (the ground floor);
+* ``errors`` nothing of fastopt, ``config`` only ``errors`` and the ``op_overrides`` syntax (the
+  ground floor);
 * ``codegen/`` and ``runtime/`` only ``config`` and ``errors``: never ``passes/``, the trainer,
   the models or the top package;
 * ``passes/`` also ``fastopt.codegen`` and ``fastopt.runtime``, through their public surface
@@ -35,7 +36,8 @@ FOLDERS = {"fastopt": "fastopt", "runtime": "fastopt.runtime", "codegen": "fasto
 # layer -> the fastopt layers it may import besides itself
 ALLOWED = {
     "fastopt.errors": (),
-    "fastopt.config": ("fastopt.errors",),
+    "fastopt.op_overrides": ("fastopt.errors",),
+    "fastopt.config": ("fastopt.errors", "fastopt.op_overrides"),
     "fastopt.codegen": ("fastopt.config", "fastopt.errors"),
     "fastopt.runtime": ("fastopt.config", "fastopt.errors"),
     "fastopt.passes": ("fastopt.config", "fastopt.errors", "fastopt.codegen", "fastopt.runtime"),
