@@ -11,7 +11,8 @@ smallest complete example (``codegen/README.md`` walks through adding one).
 - ``masked_aggregate``: sum or mean of each destination's valid neighbor rows;
 - ``time_encode``: ``cos(dt w + b)``;
 - ``segment_reduce``: the deterministic scatter of per-slot gradients into table rows (the
-  backward of the two neighbor families; no operator of its own);
+  backward of the two neighbor families; no operator of its own), and ``row_sums``, the gradient
+  of a gather ``table[index]`` (the weight gradient of projected unique rows);
 - ``matmul``: the projections' products (:func:`~fastopt.codegen.families.matmul.linear`);
 - ``column_sum``: deterministic column sums (bias gradients).
 
