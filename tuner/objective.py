@@ -110,7 +110,9 @@ def measure_window(trainer, window: Window,
     Args:
         trainer: a :class:`~fastopt.trainer.Trainer`.
         window: the steps to run.
-        checkpoint: called once halfway with ``(timed steps so far, their median in seconds)``;
+        checkpoint: called once halfway with ``(timed steps so far, their median in seconds times
+            the epoch's batches)``: the quantity the study minimizes, so that trials of other
+            batch sizes are compared by epoch, not by step;
             it may raise (:class:`optuna.TrialPruned`) to stop the window. On CUDA the step after
             it is left out: it holds the synchronize that reading the events needed.
 
@@ -136,7 +138,7 @@ def measure_window(trainer, window: Window,
             marks.mark()  # the last warm-up step's mark starts the timing
             done = i + 1 - window.warmup
             if half and done == half:
-                checkpoint(done, statistics.median(marks.intervals()))
+                checkpoint(done, statistics.median(marks.intervals()) * batches)
                 skip = done  # the next step's interval holds the synchronize
             if done >= timed:
                 break
@@ -260,10 +262,11 @@ class StepObjective:
                               f"limit {limit / 2**30:.2f} GiB (--max-device-memory)")
 
 
-def _prune_if_slow(trial: optuna.Trial, step: int, median: float) -> None:
-    trial.report(median, step)
+def _prune_if_slow(trial: optuna.Trial, step: int, epoch_seconds: float) -> None:
+    trial.report(epoch_seconds, step)
     if trial.should_prune():
-        reason = f"slower than earlier trials after {step} steps (median step {median * 1e3:.2f} ms)"
+        reason = (f"slower than earlier trials after {step} steps (median step times the epoch's "
+                  f"batches: {epoch_seconds:.3f} s)")
         trial.set_user_attr("pruned", reason)
         raise optuna.TrialPruned(reason)
 

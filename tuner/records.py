@@ -17,7 +17,6 @@ model family (closest dataset signature), else none: the defaults stay, and noth
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -26,7 +25,6 @@ import math
 import os
 import platform
 import re
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -36,6 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 import fastopt
+from fastopt.codegen.cache import atomic_file
 from fastopt.config import Config
 from fastopt.errors import ConfigError, FastOptError
 from fastopt.tuner.space import knob_fields
@@ -181,15 +180,8 @@ class TuningRecord:
         if path.suffix != ".json":
             path = path / self.file_name()
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".record-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(self.to_json() + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        with atomic_file(path) as f:  # readable by the other users of a shared records folder
+            f.write((self.to_json() + "\n").encode("utf-8"))
         return path
 
     @classmethod

@@ -39,7 +39,7 @@ def test_round_trip(tmp_path, tgn, small_graph):
     assert path.parent == tmp_path and path.name == record.file_name() and path.name.endswith(".json")
     assert TuningRecord.load(path) == record
     assert record.speedup == pytest.approx(2.0)
-    assert not list(tmp_path.glob(".record-*"))  # the temporary file was renamed
+    assert not list(tmp_path.glob(".*.tmp"))  # the temporary file was renamed
 
 
 def test_unreadable_records_name_the_file(tmp_path):
@@ -204,3 +204,14 @@ def test_without_a_dataset_only_the_same_model_matches(tmp_path, tgn, small_grap
     newer.save(tmp_path / "newer.json")
     match = find_record(cpu, fp, None, [tmp_path])
     assert match.how == "model" and match.path.name == "newer.json"
+
+
+def test_a_saved_record_is_readable_by_others(tmp_path, tgn, small_graph):
+    """Written through a temporary file and renamed, with the usual permissions (a temporary file
+    alone is private to its owner, and other users of a shared records folder would skip it)."""
+    import os
+    import stat
+
+    path = record_for(tgn, small_graph, {"sampler.threads": 1}).save(tmp_path)
+    assert stat.S_IMODE(os.stat(path).st_mode) & stat.S_IROTH
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left

@@ -43,11 +43,13 @@ def failing_on(call: int, exc: BaseException, graph):
 def test_window_times_steps_after_the_warmup(small_graph, config, one_thread):
     trainer = default_trainer("tgn", small_graph)(config)
     seen = []
-    result = measure_window(trainer, Window(2, 4), checkpoint=lambda step, median: seen.append(step))
+    result = measure_window(trainer, Window(2, 4), checkpoint=lambda step, value: seen.append((step, value)))
     assert len(result.steps) == 4 and result.timing == "wall" and result.peak_device_bytes is None
-    assert result.step_seconds > 0 and result.epoch_seconds == pytest.approx(
-        result.step_seconds * trainer.loader.num_batches("train"))
-    assert seen == [2]
+    batches = trainer.loader.num_batches("train")
+    assert result.step_seconds > 0 and result.epoch_seconds == pytest.approx(result.step_seconds * batches)
+    # the halfway report is in the study's unit (per epoch): the median of the first two steps
+    assert [step for step, _ in seen] == [2]
+    assert seen[0][1] == pytest.approx((result.steps[0] + result.steps[1]) / 2 * batches)
 
 
 def test_three_trials_with_a_failing_config_pruned(small_graph, config, tmp_path, one_thread):
