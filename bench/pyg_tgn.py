@@ -129,10 +129,6 @@ def _time_conv(conv, inputs, args, device) -> float:
     return statistics.median(times) * 1e3
 
 
-def _steady(seconds: list) -> float:
-    return statistics.median(seconds[1:] if len(seconds) > 1 else seconds)
-
-
 def _epochs(graph: TemporalGraph, args, device: torch.device) -> dict:
     """The example trained unmodified and optimized, once per seed (PyG first each time):
     steady seconds per epoch (median after the first epoch, over all seeds' runs) and test AP

@@ -36,7 +36,7 @@ from torch import Tensor, fx
 
 from fastopt import codegen
 from fastopt.config import default_config
-from fastopt.passes.pattern import Match, RewritePass, arg, call, literal, unsqueeze_dim
+from fastopt.passes.pattern import Match, RewritePass, arg, call, literal, single_user, unsqueeze_dim
 from fastopt.passes.sites import record
 
 __all__ = ["FuseEdgeSoftmaxAggregation", "fused_edge_softmax_aggregate"]
@@ -52,11 +52,6 @@ def _pyg(node: Any, name: str) -> bool:
     target = node.target
     return getattr(target, "__name__", "") == name and \
         (getattr(target, "__module__", "") or "").startswith("torch_geometric.utils")
-
-
-def _only_user(node: fx.Node) -> Optional[fx.Node]:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
 
 
 def _shape_step(node: fx.Node) -> Optional[tuple]:
@@ -95,22 +90,21 @@ class FuseEdgeSoftmaxAggregation(RewritePass):
         if not isinstance(index, fx.Node):
             return "a softmax without an index tensor"
         nodes, node = [soft], soft
-        user = _only_user(node)
+        user = single_user(node)
         dropout_p, training = 0.0, False
         if call(user, (F.dropout,)) and user.args[0] is node:
             dropout_p, training = arg(user, 1, "p", 0.5), arg(user, 2, "training", True)
             if not (literal(dropout_p) and isinstance(training, bool)) or arg(user, 3, "inplace", False):
                 return "a dropout whose probability or mode is not a constant"
             nodes.append(user)
-            node, user = user, _only_user(user)
+            node, user = user, single_user(user)
         steps = []
-        while user is not None and _shape_step(user) is not None:
-            step = _shape_step(user)
+        while user is not None and (step := _shape_step(user)) is not None:
             if step[0] == "dynamic":
                 return "the weights are reshaped by sizes computed in the graph"
             steps.append(step)
             nodes.append(user)
-            node, user = user, _only_user(user)
+            node, user = user, single_user(user)
         if len(node.users) > 1:
             return (f"intermediate {node.name} is also used by {list(node.users)[1].name}; fusing "
                     f"would drop it")
@@ -119,7 +113,7 @@ class FuseEdgeSoftmaxAggregation(RewritePass):
         values = user.args[1] if user.args[0] is node else user.args[0]
         mul = user
         nodes.append(mul)
-        agg = _only_user(mul)
+        agg = single_user(mul)
         common = dict(steps=tuple(steps), dropout_p=float(dropout_p), training=training)
         if _pyg(agg, "scatter"):
             reduce = arg(agg, 4, "reduce", "sum")

@@ -17,7 +17,6 @@ rewritten parts swapped in:
 
 from __future__ import annotations
 
-import copy
 from typing import Dict, Optional, Tuple
 
 from torch import fx, nn
@@ -25,7 +24,7 @@ from torch import fx, nn
 from fastopt.config import patch
 from fastopt.errors import TraceError
 from fastopt.passes.manager import PassManager
-from fastopt.passes.module_rewrite import ModuleReplacement
+from fastopt.passes.module_rewrite import ModuleReplacement, shared_copy
 from fastopt.passes.modules import MODULE_REWRITES, rewrite_module
 from fastopt.passes.pipeline import default_pipeline
 from fastopt.passes.report import LeftAlone, RewriteReport, Verification
@@ -82,19 +81,9 @@ def _optimized_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def _shallow_copy(module: nn.Module, cls: Optional[type] = None) -> nn.Module:
-    """A new module object sharing ``module``'s parameters, buffers and submodules."""
-    new = object.__new__(cls or type(module))
-    # Own copies of every registry (parameters, buffers, submodules, hooks): changing the copy's
-    # structure or hooks must not change the user's module.
-    new.__dict__.update({k: copy.copy(v) if isinstance(v, dict) else v
-                         for k, v in module.__dict__.items()})
-    return new
-
-
 def _rewritten(module: nn.Module, graphs: Dict[bool, fx.GraphModule], path: str,
                options: dict) -> nn.Module:
-    new = _shallow_copy(module, _optimized_class(type(module)))
+    new = shared_copy(module, _optimized_class(type(module)))
     new.__dict__["_fastopt_changes"] = dict(options["changes"])
     new.__dict__["_fastopt_path"] = path or "<root>"
     new.__dict__["_fastopt_verify"] = VERIFY_CALLS if options["verify"] else 0
@@ -164,7 +153,7 @@ def _optimize(module: nn.Module, path: str, report: RewriteReport, make_pipeline
             children[name] = new
     if not children:
         return module
-    copy_ = _shallow_copy(module)
+    copy_ = shared_copy(module, type(module))
     copy_._modules.update(children)
     return copy_
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastopt.codegen import checks
+from fastopt.codegen.families.segment_reduce import Segments
 from fastopt.codegen.families.temporal_attention import temporal_attention
 from fastopt.codegen.layout import acc_dtype
 from fastopt.errors import KernelError
@@ -44,14 +45,9 @@ PADDING_LIMIT = 4
 
 
 def edge_csr(dst: Tensor, num_dst: int) -> Tuple[Tensor, Tensor]:
-    """``(indptr [N + 1], perm [E])``: the edges sorted by destination (stable) as CSR."""
-    device = dst.device
-    order_dtype = torch.int32 if num_dst < 2**31 else torch.int64
-    keys, perm = torch.sort(dst.to(order_dtype), stable=True)
-    indptr = torch.zeros(num_dst + 1, dtype=torch.int64, device=device)
-    if num_dst:
-        torch.searchsorted(keys, torch.arange(num_dst, device=device, dtype=order_dtype),
-                           right=True, out=indptr[1:])
+    """``(indptr [N + 1], perm [E])``: the edges sorted by destination (stable) as CSR, by the
+    segmented reduction's grouping (narrow sort keys, cached row ids)."""
+    perm, indptr = Segments().of(dst, num_dst)
     return indptr, perm
 
 
