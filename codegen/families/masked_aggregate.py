@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from fastopt.codegen import checks, kernels
-from fastopt.codegen.families.segment_reduce import segment_reduce
+from fastopt.codegen.families.segment_reduce import segment_reduce, slot_segments
 from fastopt.codegen.layout import acc_dtype, gather, mask_args, mask_form, scatter, valid_slots
 from fastopt.codegen.library import fused_op
 from fastopt.config import default_config
@@ -152,8 +152,10 @@ def launch_backward(grad_out: Tensor, x: Tensor, mask=None, indptr=None, *, inde
         return dx
     if mode == "atomic":
         return dx.to(x.dtype)
+    # padded slots (zero coefficients) stay out of the sums: they all name one row
+    segments = slot_segments(mask, indptr, rows, slots, x.device)
     (table,) = segment_reduce(((coef, grad_out.reshape(rows, 1, features)),), index, x.shape[0],
-                              x.dtype, op="masked_aggregate")
+                              x.dtype, segments, op="masked_aggregate")
     return table.view(x.shape)
 
 

@@ -16,10 +16,11 @@ import torch
 from torch import Tensor
 
 from fastopt.codegen import kernels
+from fastopt.codegen.layout import valid_slots
 from fastopt.codegen.library import eager_kernels
 from fastopt.errors import KernelError
 
-__all__ = ["Segments", "row_sums", "segment_reduce"]
+__all__ = ["Segments", "row_sums", "segment_reduce", "slot_segments"]
 
 
 class Segments:
@@ -31,22 +32,27 @@ class Segments:
     the table allows, since the radix sort makes one pass per key byte: int16 up to 65,536 rows
     (shifted by -32,768 above 32,768, which keeps the order), int32 below 2**31, int64 beyond.
 
-    With ``apart``, that row's slots sort past the last row, outside every segment (its segment is
-    empty): a row thousands of slots share (the padding row every padded slot reads) would hold
-    its program, and the tile of rows beside it, for its whole length; the caller sums it apart.
+    Slots outside ``valid`` (``[M, K]`` bool, the index's shape: the padded slots of a neighbor
+    layout, whose coefficients are zero) sort past the last row, outside every segment. So do,
+    with ``apart``, that row's slots (its segment is empty; the caller sums it apart). A row
+    thousands of slots share (the padding row or the first edge that every padded slot names)
+    would otherwise hold its program, and the tile of rows beside it, for its whole length.
     """
 
-    def __init__(self, apart: Optional[int] = None):
+    def __init__(self, apart: Optional[int] = None, valid: Optional[Tensor] = None):
         self._cache = {}
         self.apart = apart
+        self.valid = valid
 
     def of(self, index: Tensor, table_rows: int) -> Tuple[Tensor, Tensor]:
         key = (index.data_ptr(), tuple(index.shape), table_rows)
         if key not in self._cache:
-            key_dtype, shift = _sort_keys(table_rows + (self.apart is not None))
+            key_dtype, shift = _sort_keys(table_rows + 1)  # row ids and the one past them
             flat = index.reshape(-1)
             if self.apart is not None:
                 flat = torch.where(flat == self.apart, table_rows, flat)
+            if self.valid is not None:
+                flat = torch.where(self.valid.reshape(-1), flat, table_rows)
             keys = (flat - shift if shift else flat).to(key_dtype)
             sorted_keys, perm = torch.sort(keys, stable=True)
             segptr = torch.empty(table_rows + 1, dtype=torch.int64, device=index.device)
@@ -56,6 +62,14 @@ class Segments:
                                right=True, out=segptr[1:])
             self._cache[key] = (perm, segptr)
         return self._cache[key]
+
+
+def slot_segments(mask: Optional[Tensor], indptr: Optional[Tensor], rows: int, slots: int,
+                  device: torch.device) -> Segments:
+    """:class:`Segments` of a neighbor layout's slots that leave its padded slots (zero
+    coefficients, all naming one row) out of every sum."""
+    return Segments(valid=None if mask is None and indptr is None else
+                    valid_slots(mask, indptr, rows, slots, device))
 
 
 def _sort_keys(table_rows: int) -> Tuple[torch.dtype, int]:

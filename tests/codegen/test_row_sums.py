@@ -67,3 +67,18 @@ def test_projected_rows_weight_gradient_is_the_slot_product(device):
     with fconfig.patch(kernels__backend="reference"):  # the slot product (the CPU's path)
         ref_w, _ = torch.autograd.grad(_ProjectedRows.apply(rows, index, w, b), [w, b], grad)
     assert rel_error(ref_w, want_w) < 1e-6
+
+
+@pytest.mark.parametrize("rows", [3, 1 << 15])  # int16 keys, and the row count whose one-past id needs a shift
+def test_segments_leave_slots_outside_valid_out_of_every_row(rows):
+    from fastopt.codegen.families.segment_reduce import Segments
+
+    # flattened slots 0..5; slots 2, 4 and 5 are padding that names row 0 (or the last row)
+    index = torch.tensor([[0, 2, 0], [1, 0, rows - 1]])
+    valid = torch.tensor([[True, True, False], [True, False, False]])
+    perm, segptr = Segments(valid=valid).of(index, rows)
+    counts = (segptr[1:] - segptr[:-1]).tolist()
+    assert counts[:3] == [1, 1, 1] and sum(counts) == 3  # the last row gets no padded slot
+    assert perm[:3].tolist() == [0, 3, 1]  # rows 0, 1, 2 in order; padding sorted past them
+    _, every = Segments().of(index, rows)
+    assert int(every[-1]) == 6  # without valid, every slot is in a row

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from fastopt.codegen import kernels
-from fastopt.codegen.families.segment_reduce import Segments, segment_reduce
+from fastopt.codegen.families.segment_reduce import segment_reduce, slot_segments
 from fastopt.codegen.families.temporal_attention.checks import row_stride
 from fastopt.codegen.families.temporal_attention.reference import DROPOUT_BITS, dropout_threshold
 from fastopt.codegen.kernel_config import FORWARD_ELEMENTS_PER_WARP
@@ -148,11 +148,15 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
     if mode == "atomic":
         dk = dk.to(k.dtype) if k_index is not None else dk
         dv = dv.to(v.dtype) if v_index is not None else dv
-    elif _same_index(k_index, v_index) and k.shape[0] == v.shape[0] and k.dtype == v.dtype:
+        return dq, dk, dv, dsq, dse
+    if not indexed:
+        return dq, dk, dv, dsq, dse
+    # padded slots (zero coefficients) stay out of the sums: they all name one row
+    segments = slot_segments(mask, indptr, rows, slots, q.device)
+    if _same_index(k_index, v_index) and k.shape[0] == v.shape[0] and k.dtype == v.dtype:
         dk, dv = segment_reduce(((ds_coef, q), (pd_coef, grad_out)), k_index, k.shape[0],
-                                k.dtype, op="temporal_attention")
+                                k.dtype, segments, op="temporal_attention")
     else:
-        segments = Segments()
         if k_index is not None:
             (dk,) = segment_reduce(((ds_coef, q),), k_index, k.shape[0], k.dtype, segments,
                                    op="temporal_attention")
