@@ -242,8 +242,8 @@ class TrainConfig:
     batch_size: int = 200
     # Adam learning rate
     lr: float = 1e-4
-    # Adam's implementation, one update rounded differently: "auto" (fused on CUDA, the capturable
-    # multi-tensor one inside whole-step CUDA graphs, the single-tensor one on the CPU), "fused",
+    # Adam's implementation, one update rounded differently: "auto" (fused on CUDA, captured with
+    # the step inside whole-step CUDA graphs; the single-tensor one on the CPU), "fused",
     # "foreach" or "single"
     adam: str = "auto"
     # seed of every random choice (weights, negatives, sampling, dropout)

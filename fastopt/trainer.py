@@ -75,12 +75,13 @@ def make_sampler(graph: TemporalGraph, fanouts, strategy: str, config: Config, *
 def make_optimizer(params, lr: float, device: torch.device, capturable: bool = False,
                    kind: str = "auto") -> torch.optim.Optimizer:
     """Adam. ``kind`` ``"auto"``: on CUDA the fused implementation (one launch per group of
-    tensors, steps kept on the device, so an optimizer step never waits for the host), or with
-    ``capturable`` the multi-tensor one that a CUDA graph can capture (its launches cost nothing
-    inside a graph); the single-tensor one on the CPU. ``"fused"``, ``"foreach"``, ``"single"``
-    (``config.train.adam``) pick one: the same update, rounded differently."""
+    tensors, steps kept on the device, so an optimizer step never waits for the host; with
+    ``capturable`` a CUDA graph captures it, and it rounds as the uncaptured one does, so a
+    captured run and an eager one take the same updates); the single-tensor one on the CPU.
+    ``"fused"``, ``"foreach"``, ``"single"`` (``config.train.adam``) pick one: the same update,
+    rounded differently."""
     if kind == "auto":
-        kind = ("foreach" if capturable else "fused") if device.type == "cuda" else "single"
+        kind = "fused" if device.type == "cuda" else "single"
     extra = {"capturable": True} if capturable else {}
     if kind == "fused":
         return torch.optim.Adam(params, lr=lr, fused=True, **extra)
