@@ -132,8 +132,9 @@ def _time_conv(conv, inputs, args, device) -> float:
 def _epochs(graph: TemporalGraph, args, device: torch.device) -> dict:
     """The example trained unmodified and optimized, once per seed (PyG first each time):
     steady seconds per epoch (median after the first epoch, over all seeds' runs) and test AP
-    after the last epoch (per seed and mean). Attention dropout draws differ between the two
-    (the kernel's Philox against torch's generator), so their APs differ as two seeds do."""
+    after the last epoch (per seed and mean). Both draw the same attention dropout masks and
+    negatives; they part by rounding (and, on CUDA, by the order in which PyG's LastAggregator
+    resolves messages of equal time), which training can amplify."""
     runs = {"pyg": [], "fastopt": []}
     for seed in args.seeds:
         for label, modules in (("pyg", None), ("fastopt", fastopt.optimize)):

@@ -19,7 +19,9 @@ than ``"source_to_target"``, a subclass. Calls the replacement does not take run
 forward: ``return_attention_weights``, a ``SparseTensor`` or sparse ``edge_index``, a ``size``,
 bipartite input without destination features, registered propagate/message hooks, explain mode,
 decomposed layers, edge features a layer would ignore or reject. Attention dropout in training
-runs inside the kernel (equal in distribution to the layer's, not draw for draw). As the fx
+draws as the layer does: torch's dropout of an ``[E, H]`` tensor, the shape and place of the
+layer's draw, scales each edge's values (``sum_e (p_e m_e) v_e = sum_e p_e (m_e v_e)``), so a
+trained copy takes the layer's masks and follows its trajectory up to rounding. As the fx
 rewrites do, on the CPU with ``kernels.backend="auto"`` the layer runs its own code (faster there
 than the operators' references); ``"reference"`` runs the fused path's references there.
 
@@ -76,14 +78,17 @@ def _plain_call(module: nn.Module, edge_index, x) -> bool:
         return False
     if default_config().kernels.backend == "auto" and codegen.select_backend(xs[0]) != "triton":
         return False
-    if module.training and module.dropout > 0 and not default_config().passes.fuse_dropout:
-        return False  # unfused dropout draws as the layer does (verify=True relies on it)
     return not any(getattr(module, name) for name in module._fastopt_hook_names)
 
 
-def _dropout(module: nn.Module, like: Tensor) -> Tuple[float, object]:
-    p = float(module.dropout) if module.training else 0.0
-    return (p, codegen.dropout_seed(like)) if p > 0.0 else (0.0, 0)
+def _dropout_mask(module: nn.Module, like: Tensor, edges: int) -> Optional[Tensor]:
+    """The layer's dropout of its attention weights ``[E, H]`` as a multiplier of each edge's
+    values ``[E, H, 1]`` (0, or ``1 / (1 - p)`` where kept), drawn as the layer draws it: torch's
+    dropout of a tensor of that shape, dtype and device. None in eval mode or without dropout."""
+    if not (module.training and module.dropout > 0):
+        return None
+    ones = like.new_ones(edges, module.heads)
+    return F.dropout(ones, float(module.dropout), training=True).unsqueeze(-1)
 
 
 def _heads_out(module: nn.Module, out: Tensor) -> Tensor:
@@ -95,9 +100,11 @@ def _gat_output(layer: nn.Module, logits: Tensor, values: Tensor, src: Tensor, d
                 num_dst: int, res: Optional[Tensor]) -> Tensor:
     """GAT's softmax over each destination's edges and weighted sum of the source rows
     ``values``, then heads, residual and bias."""
-    p, seed = _dropout(layer, values)
-    out = codegen.edge_softmax_aggregate(logits, values, dst, num_dst, v_index=src,
-                                         dropout_p=p, seed=seed)
+    mask = _dropout_mask(layer, values, src.numel())
+    if mask is None:
+        out = codegen.edge_softmax_aggregate(logits, values, dst, num_dst, v_index=src)
+    else:
+        out = codegen.edge_softmax_aggregate(logits, values[src] * mask, dst, num_dst)
     out = _heads_out(layer, out)
     if res is not None:
         out = out + res
@@ -214,7 +221,7 @@ def transformer_conv(layer: nn.Module, x, edge_index: Tensor, edge_attr: Optiona
         whole, (key, value) = _projections([layer.lin_key, layer.lin_value], x_src)
     query = dst_side[0].reshape(-1, heads, channels)
     src, dst = edge_index[0], edge_index[1]
-    p, seed = _dropout(layer, query)
+    mask = _dropout_mask(layer, query, src.numel())
     scale = 1.0 / math.sqrt(channels)
     if layer.lin_edge is not None:
         edge = layer.lin_edge(edge_attr).view(-1, 1, heads, channels)
@@ -222,12 +229,17 @@ def transformer_conv(layer: nn.Module, x, edge_index: Tensor, edge_attr: Optiona
         pair = torch.cat([key, value], dim=-1) if whole is None else \
             whole.narrow(-1, whole.shape[-1] - 2 * width, 2 * width)
         kv = pair[src].view(-1, 2, heads, channels) + edge
-        out = codegen.edge_attention(query, kv[:, 0], kv[:, 1], dst, scale=scale, dropout_p=p,
-                                     seed=seed)
+        v = kv[:, 1] if mask is None else kv[:, 1] * mask
+        out = codegen.edge_attention(query, kv[:, 0], v, dst, scale=scale)
     else:
-        out = codegen.edge_attention(query, key.reshape(-1, heads, channels),
-                                     value.reshape(-1, heads, channels), dst, k_index=src,
-                                     v_index=src, scale=scale, dropout_p=p, seed=seed)
+        key = key.reshape(-1, heads, channels)
+        value = value.reshape(-1, heads, channels)
+        if mask is None:
+            out = codegen.edge_attention(query, key, value, dst, k_index=src, v_index=src,
+                                         scale=scale)
+        else:
+            out = codegen.edge_attention(query, key, value[src] * mask, dst, k_index=src,
+                                         scale=scale)
     out = _heads_out(layer, out)
     if layer.root_weight:
         skip = dst_side[1]

@@ -158,8 +158,8 @@ def edge_attention(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, *,
                                         scale=scale, dropout_p=dropout_p, seed=seed)
     slot_edge = slot_edges(indptr, perm, slots)
     k_slots = slot_edge if k_index is None else k_index[slot_edge]
-    # one index for keys and values read by the same rows: one sort of it in the backward
-    v_slots = k_slots if v_index is k_index else v_index[slot_edge]
+    v_slots = k_slots if v_index is k_index else (  # one index: one sort of it in the backward
+        slot_edge if v_index is None else v_index[slot_edge])
     with checks.values_known():  # valid by construction, and checked above
         return temporal_attention(q, k, v, indptr=indptr, k_index=k_slots, v_index=v_slots,
                                   scale=scale, dropout_p=dropout_p, seed=seed)

@@ -172,8 +172,9 @@ def verify_modules(graph, modules: Callable[[nn.Module], nn.Module], *, batch_si
 
     Both start from the same parameters and see the same batches and negatives, and each step
     starts the copy from the example's parameters and memory again (Adam's normalization would
-    otherwise compound float-order differences of tiny gradients); attention dropout is off (the
-    layers in eval mode) so that both are deterministic, the memory trains as in the example.
+    otherwise compound float-order differences of tiny gradients) and from the example's
+    generator state, so that attention dropout draws the same masks in both (training mode, as
+    in the example).
     After each step the logits, every parameter's gradient, the memory and its last-update
     times are compared (float32 tolerance: ``1e-5 + 1e-4 * |eager|``, gradients
     against ``1e-5 *`` their largest element).
@@ -197,7 +198,6 @@ def verify_modules(graph, modules: Callable[[nn.Module], nn.Module], *, batch_si
     for model in (eager, other):
         model.reset_state()
         model.train()
-        model.gnn.eval()
         runs.append((model, torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)))
     criterion = nn.BCEWithLogitsLoss()
     with _deterministic():
@@ -231,8 +231,10 @@ def _compare_steps(graph, batch_size, steps, runs, criterion, stream, negatives,
         if done == steps:
             break
         neg = negatives.draw(stop - start, 0, "train", b, dev)
-        (_, want), (_, got) = (_train_step(m, opt, criterion, stream, start, stop, neg)
-                               for m, opt in runs)
+        (model, opt), (copied, copied_opt) = runs
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            _, want = _train_step(model, opt, criterion, stream, start, stop, neg)
+        _, got = _train_step(copied, copied_opt, criterion, stream, start, stop, neg)
         checks = [("logits", f"logits of batch {b}", g, w) for g, w in zip(got, want)]
         for (name, p), q in zip(eager.named_parameters(), other.parameters()):
             checks.append(("gradients", f"gradient of {name} at batch {b}", q.grad, p.grad))

@@ -57,6 +57,15 @@ def test_verify_modules_accepts_fastopt_and_rejects_a_wrong_memory(small):
     assert not bad["ok"] and bad["first_mismatch"], bad
 
 
+def test_verify_modules_compares_the_fused_layer_with_dropout_drawing_the_same_masks(small):
+    import fastopt.config as fconfig
+
+    with fconfig.patch(kernels__backend="reference"):  # the fused TransformerConv on the CPU
+        ok = verify_modules(small, fastopt.optimize, batch_size=200, steps=3, memory_dim=16,
+                            time_dim=8, embedding_dim=16)
+    assert ok["ok"] and ok["largest"]["logits"] < 1e-4, ok
+
+
 def _args(tmp_path):
     return ["--device", "cpu", "--events", str(EVENTS), "--edge-dim", "8", "--batch-size", "200",
             "--epochs", "1", "--iters", "1", "--warmup", "0", "--conv-batch", "3",

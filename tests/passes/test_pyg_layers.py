@@ -95,6 +95,37 @@ def test_layer_matches_the_original(name, dtype, reference_backend):
             torch.testing.assert_close(a, b, **tol)
 
 
+@pytest.mark.parametrize("name, make", [
+    ("transformer", LAYERS["transformer"]),
+    ("transformer-noedge", lambda: TransformerConv(IN, 5, heads=2, dropout=0.3)),
+    ("gat", LAYERS["gat"]),
+    ("gatv2-mean", lambda: GATv2Conv(IN, 4, heads=3, concat=False, dropout=0.4,
+                                     edge_dim=EDGE_DIM)),
+])
+def test_training_dropout_draws_the_layers_masks(name, make, reference_backend):
+    """In training, from one generator state, the fused layer drops the attention weights the
+    original drops: the same outputs and gradients, so a trained copy follows the original."""
+    torch.manual_seed(0)
+    layer = make().train()
+    original = copy.deepcopy(layer)
+    fast = fastopt.optimize(layer)
+    x, edge_index, edge_attr = _inputs(name, *_graph())
+    heads_out = layer.heads * layer.out_channels if layer.concat else layer.out_channels
+    grad = torch.randn(NODES, heads_out, generator=torch.Generator().manual_seed(3))
+    runs = []
+    for module in (original, fast):
+        torch.manual_seed(7)
+        runs.append(_run(module, *_leaves(x, edge_attr)[:1], edge_index, _leaves(x, edge_attr)[1],
+                         grad))
+    (want, want_grads), (got, got_grads) = runs
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    torch.manual_seed(8)  # another draw, another mask: dropout is active
+    assert not torch.equal(fast(x, edge_index, edge_attr) if edge_attr is not None
+                           else fast(x, edge_index), got.detach())
+
+
 def test_replacement_runs_the_fused_operator(monkeypatch, reference_backend):
     """The fused forward is what runs, not the layer's propagate (the generated kernels behind
     the operator are tested on the interpreter in tests/codegen/test_edge_attention.py)."""
@@ -206,8 +237,8 @@ def test_without_pyg_the_rules_recognize_nothing(monkeypatch):
 
 
 def test_verify_compares_the_first_calls_with_dropout_active(reference_backend):
-    """verify=True: the first calls run the layer's own forward beside the fused one (dropout
-    unfused for the comparison, so both draw the same masks) and the report counts them."""
+    """verify=True: the first calls run the layer's own forward beside the fused one (both draw
+    the same masks from one generator state) and the report counts them."""
     torch.manual_seed(0)
     layer = LAYERS["transformer"]().train()
     fast = fastopt.optimize(layer, verify=True)
