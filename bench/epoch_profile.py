@@ -11,23 +11,31 @@ called in turn on this thread, under cProfile): where the host time that feeds t
 ``--shapes`` runs without CUDA graphs (a replayed graph hides its operators from the profiler)
 and lists the matrix products grouped by their input shapes, by device time.
 
-A diagnostic, not a comparison: it times nothing against eager and records no result.
+A diagnostic, not a comparison: it times nothing against eager and records no result. It still
+checks what it runs: an epoch whose mean loss is not finite, or an optimized model whose outputs
+or parameter gradients disagree with eager after the warm-up (:func:`fastopt.verify_against_eager`
+on the first training batch, the model's state as the warm-up left it), is printed as
+``WRONG RESULT``, nothing more is profiled or printed, and the script exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
+from typing import List
 
 import torch
 
+from fastopt import verify_against_eager
 from fastopt.config import default_config
 from fastopt.data import load_dataset
+from fastopt.errors import FastOptError
 from fastopt.models import build_model
 from fastopt.trainer import Trainer
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tgn")
     p.add_argument("--dataset", default="wikipedia")
@@ -38,7 +46,7 @@ def main() -> int:
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
     p.add_argument("--shapes", action="store_true", help="matrix products by input shape (no CUDA graphs)")
     p.add_argument("--loader", action="store_true", help="profile the loader's producer (cProfile)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     cfg = default_config().copy()
     cfg.train.batch_size = args.batch_size
     cfg.train.optimize = "off" if args.no_optimize else "auto"
@@ -49,11 +57,16 @@ def main() -> int:
     trainer = Trainer(build_model(args.model, graph), graph, cfg, progress=False)
     if args.loader:
         return profile_loader(trainer, args.rows)
+    wrong = []
     for epoch in range(2):
         t0 = time.perf_counter()
         stats = trainer.train_epoch(epoch)
         print(f"warm-up epoch {epoch}: {time.perf_counter() - t0:.3f} s, stages "
               + " ".join(f"{k}={v:.3f}" for k, v in stats.stages.items()), flush=True)
+        wrong += loss_failures(stats)
+    wrong = wrong or eager_disagreement(trainer, args.model, graph)
+    if wrong:
+        return report_wrong(wrong)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -61,6 +74,9 @@ def main() -> int:
         stats = trainer.train_epoch(2)
     print(f"profiled epoch: {stats.seconds:.3f} s (with profiler overhead), stages "
           + " ".join(f"{k}={v:.3f}" for k, v in stats.stages.items()))
+    wrong = loss_failures(stats)
+    if wrong:
+        return report_wrong(wrong)
     table = prof.key_averages()
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     if torch.cuda.is_available():
@@ -75,6 +91,33 @@ def main() -> int:
     if args.trace:
         prof.export_chrome_trace(args.trace)
     return 0
+
+
+def loss_failures(stats) -> List[str]:
+    """An epoch's mean loss that is not finite, said (empty: it is finite)."""
+    return [] if math.isfinite(stats.loss) else [f"epoch {stats.epoch}'s mean loss is {stats.loss}"]
+
+
+def eager_disagreement(trainer: Trainer, model: str, graph) -> List[str]:
+    """The trainer's model, where it runs optimized, against an eager ``model`` given the same
+    weights and state, on the first training batch (empty: it agrees, or it runs eager)."""
+    if getattr(trainer.model, "fastopt_report", None) is None:
+        return []
+    eager = build_model(model, graph).to(trainer.device)
+    eager.load_state_dict(trainer.model.state_dict())
+    batch = next(iter(trainer.plan("train", 0)))
+    try:
+        verify_against_eager(trainer.model, eager, trainer.build_inputs(batch.roots, batch.times))
+    except FastOptError as exc:
+        return [f"optimized {model}: {exc}"]
+    return []
+
+
+def report_wrong(wrong: List[str]) -> int:
+    """Print each wrong result; the exit status (1)."""
+    for line in wrong:
+        print(f"WRONG RESULT: {line}")
+    return 1
 
 
 def profile_loader(trainer: Trainer, rows: int) -> int:

@@ -14,8 +14,11 @@ Each product is timed on its own: device time of ``--reps`` calls replayed from 
 (inputs rotated past the L2), median of ``--iters`` replays, for ``torch`` (cuBLAS, float32,
 TF32 off), ``torch tf32`` (cuBLAS, TF32 on: one rounded pass, for scale) and ``codegen``'s
 matmul kernels at ``tf32x3`` and ``ieee`` for each tile in
-``--tiles``; the largest error against float64 products is reported beside each. Prints a table
-and writes JSON with the date, GPU, versions, commit and command::
+``--tiles``; the largest error against float64 products is reported beside each. A variant
+that raises, or whose error is not finite or exceeds ``--max-error`` (``torch tf32``, rounded on
+purpose, is held to finiteness only), is a wrong result: printed as ``WRONG RESULT`` and the
+script exits with status 1. Prints a table and writes JSON with the date, GPU, versions, commit
+and command::
 
     python bench/projections.py --json bench/results/projections-h200.json
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 
 import torch
@@ -32,7 +36,10 @@ import fastopt.config as fconfig
 from _meta import write_record
 from fastopt.codegen.families.matmul import matmul
 from kernels import GraphTimer
+from optimize import cuda_device
 
+# Lower precision on purpose (for scale): their error is recorded, not held to --max-error.
+LOWER_PRECISION = ("torch tf32",)
 
 
 def _operands(rows: int, edge: int, time: int, width: int, seed: int, device):
@@ -85,6 +92,25 @@ def _max_rel_error(got, want) -> float:
                for g, w in zip(_flat(got), _flat(want)))
 
 
+def accuracy_failures(rows, max_error: float) -> list:
+    """The wrong results of the table (empty: every variant is right): a variant that raised, or
+    one whose error is not finite or (outside :data:`LOWER_PRECISION`) exceeds ``max_error``."""
+    failures = []
+    for row in rows:
+        for label, cell in row.items():
+            if label == "product":
+                continue
+            where, error = f"{row['product']} {label}", cell.get("max_rel_error")
+            if "error" in cell:
+                failures.append(f"{where}: raised {cell['error']}")
+            elif not math.isfinite(error):
+                failures.append(f"{where}: relative error against float64 is {error}")
+            elif label not in LOWER_PRECISION and error > max_error:
+                failures.append(f"{where}: relative error {error:.3g} against float64 exceeds "
+                                f"--max-error {max_error:g}")
+    return failures
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write results to this JSON file")
@@ -95,12 +121,13 @@ def main(argv=None) -> int:
     parser.add_argument("--tiles", nargs="*", default=["64,64,32,4", "128,64,32,4",
                                                        "128,128,32,8", "64,128,32,4"],
                         metavar="BM,BN,BK,WARPS")
+    parser.add_argument("--max-error", type=float, default=1e-4,
+                        help="largest relative error against float64 a variant may have "
+                             f"(not applied to {', '.join(LOWER_PRECISION)})")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/projections.py needs a CUDA GPU; none is available here. Nothing was measured.")
+    device = cuda_device("bench/projections.py")
+    if device is None:
         return 0
-    torch.backends.cuda.matmul.allow_tf32 = False
-    device = torch.device("cuda")
     sets = [_operands(args.rows, 172, 100, 200, seed, device) for seed in range(3)]
     doubles = {k: v.double() for k, v in sets[0].items()}
     timer = GraphTimer(args.warmup, args.iters, args.reps)
@@ -131,11 +158,14 @@ def main(argv=None) -> int:
                  else "failed" for label in labels]
         print(f"{r['product']:>14} " + " ".join(f"{c:>20}" for c in cells))
     print("ms per product (graph replay), largest error against float64 in parentheses")
+    failures = accuracy_failures(rows, args.max_error)
     if args.json:
         write_record(args.json, rows=args.rows,
                      timing=f"graph replay of {args.reps} calls, median of {args.iters}",
-                     results=rows)
-    return 0
+                     max_error=args.max_error, accuracy_failures=failures, results=rows)
+    for failure in failures:
+        print(f"WRONG RESULT: {failure}")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ model's CUDA graphs captured, measures (medians of ``--iters`` steps after ``--w
   ``prelaunch_us`` split at the copy of the call's tensors into the graph's inputs.
 
 ``step_ms - fwd_graph_ms - bwd_graph_ms`` is what the device spends waiting for the host (or in
-work outside the graphs). Prints a table and writes JSON with the date, GPU, versions, commit and
-command::
+work outside the graphs). Before it is timed, each optimized model is checked against the eager
+model (:func:`fastopt.verify_against_eager`: outputs and parameter gradients against float64
+eager); one that disagrees is not timed, is printed as ``WRONG RESULT``, and the script exits with
+status 1. Prints a table and writes JSON with the date, GPU, versions, commit and command::
 
     python bench/step_breakdown.py --json bench/results/step-breakdown.json
 """
@@ -35,6 +37,7 @@ import torch
 
 import fastopt
 from _meta import write_record
+from fastopt.errors import FastOptError
 from optimize import add_batch_args, cuda_device, model_and_inputs
 
 
@@ -52,14 +55,14 @@ def _median_events(fn, iters: int, prepare=None) -> float:
     return statistics.median(times)
 
 
-def _graphs_of(model):
+def _graphs_of(model) -> list:
     runner = model.__dict__.get("_fastopt_graph_runner")
-    held = list(runner._graphs.values()) if runner is not None else []
-    return held[0] if len(held) == 1 else None
+    return list(runner._graphs.values()) if runner is not None else []
 
 
 def breakdown(fast, inputs, warmup: int, iters: int) -> dict:
     params = list(fast.parameters())
+    earlier = {id(g) for g in _graphs_of(fast)}  # the eager check's (eval mode), if it captured
 
     def step():
         fast(inputs).sum().backward()
@@ -72,7 +75,8 @@ def breakdown(fast, inputs, warmup: int, iters: int) -> dict:
         prepare()
         step()
     torch.cuda.synchronize()
-    graphs = _graphs_of(fast)
+    new = [g for g in _graphs_of(fast) if id(g) not in earlier]
+    graphs = new[0] if len(new) == 1 else None
     if graphs is None or graphs.bwd is None:
         return {"error": "the model's root call was not captured as one forward/backward pair"}
     row = {"step_ms": _median_events(step, iters, prepare),
@@ -142,11 +146,19 @@ def main(argv=None) -> int:
     device = cuda_device("bench/step_breakdown.py")
     if device is None:
         return 0
-    rows = []
+    rows, wrong = [], []
     for name in args.models.split(","):
         model, inputs = model_and_inputs(name, args, device)
         fast = fastopt.optimize(model)
-        rows.append({"model": name, **breakdown(fast, inputs, args.warmup, args.iters)})
+        try:
+            ratio = fastopt.verify_against_eager(fast, model, inputs)
+        except FastOptError as exc:
+            wrong.append(f"{name}: {exc}")
+            rows.append({"model": name, "verified": f"FAILED: {exc}"})  # no time: it is wrong
+            continue
+        rows.append({"model": name, "verified": f"outputs+grads within {ratio:.2f}x max(1e-4, "
+                                                f"eager float32's error)",
+                     **breakdown(fast, inputs, args.warmup, args.iters)})
     cols = ("step_ms", "fwd_graph_ms", "bwd_graph_ms", "device_idle_ms", "prelaunch_us",
             "fwd_launch_us", "bwd_launch_us", "host_fwd_us", "host_bwd_us", "bwd_enter_us",
             "after_bwd_launch_us", "before_copy_us", "input_copy_us", "copy_to_launch_us")
@@ -158,7 +170,9 @@ def main(argv=None) -> int:
         write_record(args.json, results=rows,
                      timing=f"medians of {args.iters} steps after {args.warmup} warm-up; host times "
                             f"by perf_counter, device times by CUDA events")
-    return 0
+    for line in wrong:
+        print(f"WRONG RESULT: {line}")
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

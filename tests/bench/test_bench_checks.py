@@ -11,6 +11,20 @@ from bench_scripts import load
 
 
 # ---------------------------------------------------------------------------- bench/optimize.py
+def _wrong_attention_gradient(monkeypatch, wrong_backward):
+    """The optimized models' fused attention with its gradient 1 % too large (outputs right)."""
+    from fastopt.passes import attention
+
+    real = attention.fused_attention
+    monkeypatch.setattr(attention, "fused_attention",
+                        lambda *a, **kw: wrong_backward.apply(real(*a, **kw)))
+
+
+def _record(path, **fields):
+    """bench/_meta.py's write_record without what it asks the GPU and git: the fields alone."""
+    Path(path).write_text(json.dumps(fields))
+
+
 def _cpu_optimize_bench(monkeypatch):
     """bench/optimize.py on the CPU: its own columns and checks, the CUDA-event timing replaced."""
     script = load("optimize")
@@ -20,12 +34,9 @@ def _cpu_optimize_bench(monkeypatch):
             fn(inputs).sum().backward()
         return {name: 1.0 for name in columns}
 
-    def record(path, **fields):  # the real one asks the GPU its name
-        Path(path).write_text(json.dumps(fields))
-
     monkeypatch.setattr(script, "cuda_device", lambda name: torch.device("cpu"))
     monkeypatch.setattr(script, "_times", untimed)
-    monkeypatch.setattr(script, "write_record", record)
+    monkeypatch.setattr(script, "write_record", _record)
     return script
 
 
@@ -46,11 +57,7 @@ def test_optimize_bench_passes_on_the_real_kernels(monkeypatch, tmp_path, capsys
 
 def test_optimize_bench_fails_on_a_wrong_gradient(monkeypatch, tmp_path, capsys, wrong_backward):
     script = _cpu_optimize_bench(monkeypatch)
-    from fastopt.passes import attention
-
-    real = attention.fused_attention
-    monkeypatch.setattr(attention, "fused_attention",
-                        lambda *a, **kw: wrong_backward.apply(real(*a, **kw)))
+    _wrong_attention_gradient(monkeypatch, wrong_backward)
     assert script.main(_optimize_args(tmp_path)) == 1
     out = capsys.readouterr().out
     assert "WRONG RESULT: tgat fastopt_ms" in out and "grad " in out
@@ -180,3 +187,143 @@ def test_slimcache_bench_fails_when_the_flush_loses_rows(monkeypatch, tmp_path, 
     monkeypatch.setattr(script.SlimCache, "flush", lambda self: None)  # dirty rows stay on the device
     assert script.main(_slimcache_args(tmp_path)) == 1
     assert "WRONG RESULT: wikipedia tgn budget 0.05 policy lru: host memory" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- bench/projections.py
+def _cpu_projections_bench(monkeypatch, matmul):
+    """bench/projections.py on the CPU: its products and checks, ``matmul`` standing in for the
+    generated kernels (which need a GPU or Triton's interpreter), each variant run once untimed."""
+    script = load("projections")
+
+    class Untimed:
+        def __init__(self, *args):
+            pass
+
+        def __call__(self, fn, sets):
+            for i in range(sets):
+                fn(i)
+            return 1.0
+
+    monkeypatch.setattr(script, "cuda_device", lambda name: torch.device("cpu"))
+    monkeypatch.setattr(script, "GraphTimer", Untimed)
+    monkeypatch.setattr(script, "matmul", matmul)
+    return script
+
+
+def _off(out, factor: float = 1.001):
+    """A product (and its row sums) with the product ``factor`` times too large."""
+    return (out[0] * factor, out[1]) if isinstance(out, tuple) else out * factor
+
+
+_PROJECTION_ARGS = ["--rows", "64", "--tiles", "64,64,32,4"]
+
+
+def test_projections_bench_passes_on_right_products(monkeypatch, capsys):
+    torch_mm = load("projections")._torch_mm
+    script = _cpu_projections_bench(monkeypatch, lambda a, b, precision, **kw: torch_mm(a, b, **kw))
+    # 1e-3 off, as TF32's one rounded pass is: the scale column is not held to --max-error
+    monkeypatch.setattr(script, "_torch_tf32_mm", lambda *a, **kw: _off(torch_mm(*a, **kw)))
+    assert script.main(_PROJECTION_ARGS) == 0
+    assert "WRONG RESULT" not in capsys.readouterr().out
+
+
+def test_projections_bench_fails_on_a_wrong_or_failing_variant(monkeypatch, capsys):
+    torch_mm = load("projections")._torch_mm
+
+    def kernels(a, b, precision, **kwargs):
+        if precision == "ieee":
+            raise RuntimeError("no kernel for this tile")
+        return _off(torch_mm(a, b, **kwargs))
+
+    script = _cpu_projections_bench(monkeypatch, kernels)
+    assert script.main(_PROJECTION_ARGS) == 1
+    wrong = [line for line in capsys.readouterr().out.splitlines() if "WRONG RESULT" in line]
+    assert ("WRONG RESULT: fwd_free tf32x3 64,64,32,4: relative error 0.001 against float64 "
+            "exceeds --max-error 0.0001") in wrong
+    assert "WRONG RESULT: bwd_dx ieee 64,64,32,4: raised RuntimeError: no kernel for this tile" \
+        in wrong
+    assert len(wrong) == 2 * len(script.PRODUCTS)  # the torch columns are right
+    rows = [{"product": "p", "torch tf32": {"ms": 1.0, "max_rel_error": float("nan")}}]
+    assert script.accuracy_failures(rows, 1e-4) == ["p torch tf32: relative error against "
+                                                    "float64 is nan"]  # NaN is no pass
+
+
+# ---------------------------------------------------------------------------- bench/step_breakdown.py
+def _cpu_step_breakdown(monkeypatch):
+    """bench/step_breakdown.py on the CPU: its check, the CUDA-graph timing replaced by one step."""
+    script = load("step_breakdown")
+
+    def untimed(fast, inputs, warmup, iters):
+        fast(inputs).sum().backward()
+        return {"step_ms": 1.0}
+
+    monkeypatch.setattr(script, "cuda_device", lambda name: torch.device("cpu"))
+    monkeypatch.setattr(script, "breakdown", untimed)
+    monkeypatch.setattr(script, "write_record", _record)
+    return script
+
+
+def _step_breakdown_args(tmp_path):
+    return ["--models", "tgat", "--roots", "12", "--num-nodes", "50", "--edge-dim", "6",
+            "--json", str(tmp_path / "breakdown.json")]
+
+
+def test_step_breakdown_times_a_model_that_agrees_with_eager(monkeypatch, tmp_path, capsys):
+    script = _cpu_step_breakdown(monkeypatch)
+    assert script.main(_step_breakdown_args(tmp_path)) == 0
+    (row,) = json.loads((tmp_path / "breakdown.json").read_text())["results"]
+    assert row["verified"].startswith("outputs+grads within") and row["step_ms"] == 1.0
+    assert "WRONG RESULT" not in capsys.readouterr().out
+
+
+def test_step_breakdown_fails_on_a_wrong_gradient(monkeypatch, tmp_path, capsys, wrong_backward):
+    script = _cpu_step_breakdown(monkeypatch)
+    _wrong_attention_gradient(monkeypatch, wrong_backward)
+    assert script.main(_step_breakdown_args(tmp_path)) == 1
+    assert "WRONG RESULT: tgat: call 0: grad " in capsys.readouterr().out
+    (row,) = json.loads((tmp_path / "breakdown.json").read_text())["results"]
+    assert row["verified"].startswith("FAILED") and "step_ms" not in row  # not timed
+
+
+# ---------------------------------------------------------------------------- bench/epoch_profile.py
+def _small_epoch_profile(monkeypatch, wikipedia):
+    """bench/epoch_profile.py on the first 1,500 events of wikipedia, optimized on the CPU too."""
+    from fastopt import trainer
+    from fastopt.data import TemporalGraph
+
+    script = load("epoch_profile")
+    small = TemporalGraph(wikipedia.src[:1500], wikipedia.dst[:1500], wikipedia.ts[:1500],
+                          wikipedia.num_nodes, name="wikipedia-head")
+    monkeypatch.setattr(script, "load_dataset", lambda name, edge_dim: small.with_random_features(
+        edge_dim=edge_dim))
+    monkeypatch.setattr(trainer, "wants_optimize",
+                        lambda config, device: config.train.optimize != "off")
+    return script
+
+
+_EPOCH_ARGS = ["--model", "tgat", "--batch-size", "300", "--edge-dim", "6", "--rows", "3"]
+
+
+def test_epoch_profile_profiles_a_model_that_agrees_with_eager(monkeypatch, wikipedia, capsys):
+    script = _small_epoch_profile(monkeypatch, wikipedia)
+    assert script.main(_EPOCH_ARGS) == 0
+    out = capsys.readouterr().out
+    assert "profiled epoch" in out and "WRONG RESULT" not in out
+
+
+def test_epoch_profile_fails_on_a_wrong_gradient(monkeypatch, wikipedia, capsys, wrong_backward):
+    script = _small_epoch_profile(monkeypatch, wikipedia)
+    _wrong_attention_gradient(monkeypatch, wrong_backward)
+    assert script.main(_EPOCH_ARGS) == 1
+    out = capsys.readouterr().out
+    assert "WRONG RESULT: optimized tgat: call 0: grad " in out and "profiled epoch" not in out
+
+
+def test_epoch_profile_fails_on_a_non_finite_loss(monkeypatch, wikipedia, capsys):
+    script = _small_epoch_profile(monkeypatch, wikipedia)
+    real = torch.nn.functional.binary_cross_entropy_with_logits
+    monkeypatch.setattr(torch.nn.functional, "binary_cross_entropy_with_logits",
+                        lambda *a, **kw: real(*a, **kw) * float("nan"))
+    assert script.main(_EPOCH_ARGS + ["--no-optimize"]) == 1
+    out = capsys.readouterr().out
+    assert "WRONG RESULT: epoch 0's mean loss is nan" in out and "profiled epoch" not in out
