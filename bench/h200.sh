@@ -14,8 +14,13 @@
 # bench for TGAT and TGN, CONTENDERS per model, then each model's fastopt again in a second process
 # for the first epoch with the kernel cache warm; bench.log, bench-*.json), "accuracy"
 # (bench/accuracy.py, 10 epochs x SEEDS, eager, eager-foreach and fastopt; accuracy.{log,json})
-# and "pyg" (bench/pyg_tgn.py; pyg.{log,json}). The tuner's tests need optuna there: carry its
-# wheels (device README) and put them on PYTHONPATH before this script.
+# and "pyg" (bench/pyg_tgn.py; pyg.{log,json}). "tune": fastopt tune for each of TUNE_MODELS
+# (tgn tgat) on each of TUNE_DATASETS (wikipedia; a path for another graph, carried in a git-ignored
+# folder), TRIALS trials (40) in one SQLite file, records to $OUT/records (--max-device-memory
+# MAX_MEMORY_GB when set), then fastopt bench of fastopt and fastopt-tuned side by side per pair
+# (tune.log, tuned-*.json); each study under TUNE_S seconds (900). The tuner needs optuna there:
+# carry its wheels (device README) and put them on PYTHONPATH before this script. Bench epochs:
+# BENCH_EPOCHS (4: the steady figure is the median of three, which one slow epoch cannot move).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the output folder}
@@ -35,13 +40,26 @@ STEPS=${STEPS:-tests kernels optimize}
 if [[ " $STEPS " == *" bench "* ]]; then
     for m in tgat tgn; do
         c=${CONTENDERS:-eager,fastopt}; [ "$m" = tgn ] && c=${TGN_CONTENDERS:-eager,pyg,fastopt}
-        timeout "${BENCH_S:-110}" fastopt bench --model $m --batch-size 600 --epochs 3 --contenders "$c" \
+        timeout "${BENCH_S:-130}" fastopt bench --model $m --batch-size 600 --epochs "${BENCH_EPOCHS:-4}" --contenders "$c" \
             --no-progress --json "$OUT/bench-$m.json" >> "$OUT/bench.log" 2>&1
     done
     for m in tgn tgat; do  # a new process: kernel cache and shape plans warm
         timeout "${WARM_S:-40}" fastopt bench --model $m --batch-size 600 --epochs 2 --contenders fastopt \
             --no-progress --json "$OUT/bench-$m-warm.json" >> "$OUT/bench.log" 2>&1
     done
+fi
+if [[ " $STEPS " == *" tune "* ]]; then
+    for d in ${TUNE_DATASETS:-wikipedia}; do
+        for m in ${TUNE_MODELS:-tgn tgat}; do
+            timeout "${TUNE_S:-900}" fastopt tune --dataset "$d" --model $m --batch-size 600 \
+                --trials "${TRIALS:-40}" --timeout "$(( ${TUNE_S:-900} - 60 ))" --storage "sqlite:///$OUT/tune.db" \
+                --out "$OUT/records" ${MAX_MEMORY_GB:+--max-device-memory "$MAX_MEMORY_GB"} --no-progress >> "$OUT/tune.log" 2>&1
+            FASTOPT_TUNER_RECORDS_DIR="$OUT/records" timeout "${BENCH_S:-130}" fastopt bench --dataset "$d" --model $m \
+                --batch-size 600 --epochs "${BENCH_EPOCHS:-4}" --contenders fastopt,fastopt-tuned --no-progress \
+                --json "$OUT/tuned-$m-$(basename "$d" | cut -d. -f1).json" >> "$OUT/tune.log" 2>&1
+        done
+    done
+    grep -E "^(fastopt|fastopt-tuned) |tuned record|no tuning record|best" "$OUT/tune.log"
 fi
 [[ " $STEPS " == *" accuracy "* ]] && FASTOPT_SAMPLER_THREADS=2 timeout "${ACCURACY_S:-300}" python3 bench/accuracy.py \
     --datasets wikipedia --seeds ${SEEDS:-0 1 2} --variants eager eager-foreach fastopt --jobs "${JOBS:-12}" \

@@ -13,6 +13,9 @@ after each epoch and on test at the end:
 ``pyg``        PyG's TGN (``TGNMemory`` + ``LastNeighborLoader`` + ``TransformerConv``), when the
                model is TGN and torch_geometric is installed
 ``fastopt``    the whole pipeline: ``fastopt.optimize`` (fused kernels, CUDA graphs) and the loader
+``fastopt-``   ``fastopt`` with the tuning record that matches the run applied (``fastopt tune``;
+``tuned``      what ``config="auto"`` picks), beside ``fastopt``'s defaults; the note names the
+               record, or says that none matched and the defaults ran
 =============  ============================================================================
 
 Reported per contender: the first and the steady epoch time (median of the epochs after the
@@ -42,7 +45,7 @@ from fastopt.errors import ConfigError, FastOptError
 
 __all__ = ["CONTENDERS", "BenchResult", "run_bench", "format_table", "verify_against_eager", "git_commit"]
 
-CONTENDERS = ("tgl", "eager", "compile", "compile-ro", "pyg", "fastopt")
+CONTENDERS = ("tgl", "eager", "compile", "compile-ro", "pyg", "fastopt", "fastopt-tuned")
 # Relative error allowed between a contender's outputs/gradients and eager's (fp32).
 TOLERANCE = 1e-4
 
@@ -79,10 +82,11 @@ class BenchResult:
 
 def _contender_config(base: Config, name: str) -> Config:
     cfg = base.copy()
-    cfg.train.optimize = "on" if name == "fastopt" else "off"
+    fast = name.startswith("fastopt")
+    cfg.train.optimize = "on" if fast else "off"
     if name == "tgl":
         cfg.cache.placement, cfg.sampler.dedup, cfg.cache.budget_fraction = "host", False, 0.0
-    elif name != "fastopt":
+    elif not fast:
         cfg.cache.placement = "device"
     return cfg
 
@@ -193,8 +197,13 @@ def run_bench(graph, model_name: str, base: Config, contenders: Sequence[str] = 
         torch.manual_seed(seed)
         model = build_model(model_name, graph, base).to(device)
         eager = copy.deepcopy(model)
-        trainer = Trainer(_wrap(name, model), graph, cfg, progress=progress)
+        trainer = Trainer(_wrap(name, model), graph, cfg, progress=progress,
+                          records=name == "fastopt-tuned")
         result = BenchResult(name)
+        if name == "fastopt-tuned":
+            result.note = (trainer.tuned.describe() if trainer.tuned else
+                           "no tuning record matches this run: the defaults")
+            log(f"  {name}: {result.note}")
         log(f"  {name}: verifying against eager ...")
         if name == "tgl":
             batch = next(iter(trainer.plan("train", 0)))
@@ -312,7 +321,7 @@ def plot(results: Sequence[BenchResult], path: str, title: str) -> None:
         raise FastOptError('--plot needs matplotlib; pip install "fastopt[plot]"') from None
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = [r.contender for r in results]
-    ax.barh(names, [r.steady for r in results], color=["#d62728" if n == "fastopt" else "#7f7f7f" for n in names])
+    ax.barh(names, [r.steady for r in results], color=["#d62728" if n.startswith("fastopt") else "#7f7f7f" for n in names])
     ax.set_xlabel("seconds per epoch (steady)")
     ax.set_title(title)
     ax.invert_yaxis()

@@ -32,3 +32,23 @@ def test_gaps_carry_their_standard_error_and_only_fastopt_is_judged():
 def test_the_rounding_only_variant_trains_eager_with_another_adam():
     acc = load("accuracy")
     assert acc.VARIANTS["eager-foreach"] == ["--no-optimize", "--adam", "foreach"]
+
+
+def test_main_exits_non_zero_when_fastopt_is_beyond_the_gap(monkeypatch, tmp_path, capsys):
+    """The script itself fails on a wrong result: a fastopt mean 2 points off eager exits 1, and
+    the same runs within the gap exit 0 (the runs are injected; nothing trains)."""
+    acc = load("accuracy")
+
+    def fake(model, dataset, variant, seed, epochs, extra, shift):
+        ap = 0.88 + 0.01 * seed + (shift if variant == "fastopt" else 0.0)
+        return {"model": model, "dataset": dataset, "variant": variant, "seed": seed,
+                "command": "x", "test": {"ap": ap}}
+
+    argv = ["--models", "jodie", "--datasets", "wikipedia", "--variants", "eager", "fastopt",
+            "--seeds", "0", "1", "2", "--json", str(tmp_path / "acc.json")]
+    monkeypatch.setattr(acc, "run_one", lambda *a: fake(*a, shift=0.02))
+    assert acc.main(argv) == 1
+    assert "BEYOND 0.5" in capsys.readouterr().out
+    monkeypatch.setattr(acc, "run_one", lambda *a: fake(*a, shift=0.001))
+    assert acc.main(argv) == 0
+    assert "within 0.5" in capsys.readouterr().out

@@ -215,3 +215,26 @@ def test_a_saved_record_is_readable_by_others(tmp_path, tgn, small_graph):
     path = record_for(tgn, small_graph, {"sampler.threads": 1}).save(tmp_path)
     assert stat.S_IMODE(os.stat(path).st_mode) & stat.S_IROTH
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+
+
+def test_bench_runs_the_tuned_record_beside_the_defaults(tmp_path, small_graph):
+    """``fastopt bench``'s fastopt-tuned contender applies the matching record (and names it);
+    fastopt beside it keeps the defaults."""
+    from fastopt.benchmark import run_bench
+
+    base = Config()
+    base.train.device, base.train.batch_size, base.train.mrr_negatives = "cpu", 400, 0
+    base.model.memory_dim = base.model.dim = base.model.time_dim = 8
+    torch.manual_seed(base.train.seed)
+    model = build_model("tgn", small_graph, base)
+    record_for(model, small_graph, {"sampler.threads": 1}).save(tmp_path)
+    base.tuner.records_dir = str(tmp_path)
+    results = run_bench(small_graph, "tgn", base, ["fastopt", "fastopt-tuned"], epochs=1,
+                        log=lambda line: None)
+    by = {r.contender: r for r in results}
+    assert by["fastopt"].note == ""
+    assert by["fastopt-tuned"].note.startswith("tuned record") and "sampler.threads=1" in by["fastopt-tuned"].note
+    assert 0.0 <= by["fastopt-tuned"].test_ap <= 1.0 and by["fastopt-tuned"].epoch_seconds
+    base.tuner.records_dir = str(tmp_path / "none-here")
+    (alone,) = run_bench(small_graph, "tgn", base, ["fastopt-tuned"], epochs=1, log=lambda line: None)
+    assert alone.note == "no tuning record matches this run: the defaults"
