@@ -8,9 +8,11 @@ Public surface (stable signatures; the fx passes rewrite onto these):
   v_index=None, scale=None, dropout_p=0.0, seed=0)`` -> ``(out, shared_out)``: keys and values
   carry a feature block ``se [M, K, S]`` shared by all heads (a factored time encoding)
 - :func:`edge_attention` ``(q, k, v, dst, *, k_index=None, v_index=None, scale=None,
-  dropout_p=0.0, seed=0)`` and :func:`edge_softmax_aggregate` ``(scores, v, dst, num_dst, *,
-  v_index=None, dropout_p=0.0, seed=0)``: attention over an edge list (PyG layers), run by the
-  temporal-attention kernels over the destination-sorted edges
+  dropout_p=0.0, seed=0, slots=None)`` and :func:`edge_softmax_aggregate` ``(scores, v, dst,
+  num_dst, *, v_index=None, dropout_p=0.0, seed=0)``: attention over an edge list (PyG layers),
+  run by the temporal-attention kernels over the destination-sorted edges;
+  :func:`edge_slot_count` ``(dst, num_dst, ranged=())`` reads the slot count ahead, so that a call
+  with ``slots`` reads nothing back (a CUDA graph can capture it)
 - :func:`masked_aggregate` ``(x, mask=None, indptr=None, *, index=None, reduce="mean")``
 - :func:`time_encode` ``(dt, w, b)``
 - :func:`linear` ``(x, w, bias=None, residual=None, *, bias_grad="torch")``: projections, by
@@ -41,6 +43,7 @@ from fastopt.codegen import reference
 from fastopt.codegen.families.column_sum import column_sum
 from fastopt.codegen.families.masked_aggregate import masked_aggregate
 from fastopt.codegen.families.edge_attention import edge_attention, edge_softmax_aggregate
+from fastopt.codegen.families.edge_attention import slot_count as edge_slot_count
 from fastopt.codegen.families.matmul import linear
 from fastopt.codegen.families.segment_reduce import row_sums
 from fastopt.codegen.families.temporal_attention import (dropout_seed, shared_attention,
@@ -55,6 +58,7 @@ __all__ = [
     "shared_attention",
     "edge_attention",
     "edge_softmax_aggregate",
+    "edge_slot_count",
     "masked_aggregate",
     "time_encode",
     "linear",

@@ -186,10 +186,17 @@ def optimize_module(model: nn.Module, make_pipeline=default_pipeline,
         return model, report
     rewritten = [(path, m) for path, m in optimized.named_modules()
                  if path and isinstance(m, OptimizedForward)]
+    # module-type rewrites that read their sizes back run their padded per-call work through a
+    # runner of their own (e.g. the fused TransformerConv's core)
+    inner = []
+    for path, m in optimized.named_modules():
+        runner = m.__dict__.get("_fastopt_core_runner")
+        if runner is not None:
+            runner.record.where = f"{path or '<root>'} (padded core)"
+            inner.append(runner.record)
     if not rewritten and not isinstance(optimized, OptimizedForward):
-        # only module-type rewrites: their edge counts change every call and they read sizes
-        # back to the host, so there is nothing for CUDA graphs to capture
+        report.graphs = inner
         return optimized, report
     verifying = [m for m in optimized.modules() if isinstance(m, OptimizedForward)] if verify else []
-    report.graphs = attach_graph_runners(optimized, rewritten, options["changes"], verifying)
+    report.graphs = attach_graph_runners(optimized, rewritten, options["changes"], verifying) + inner
     return optimized, report

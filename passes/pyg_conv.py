@@ -21,7 +21,11 @@ bipartite input without destination features, registered propagate/message hooks
 decomposed layers, edge features a layer would ignore or reject. Attention dropout in training
 draws as the layer does: torch's dropout of an ``[E, H]`` tensor, the shape and place of the
 layer's draw, scales each edge's values (``sum_e (p_e m_e) v_e = sum_e p_e (m_e v_e)``), so a
-trained copy takes the layer's masks and follows its trajectory up to rounding. As the fx
+trained copy takes the layer's masks and follows its trajectory up to rounding.
+``TransformerConv`` (one node set) reads its slot count back, then runs the rest on nodes and
+edges padded to :func:`_bucket` sizes through a :class:`_TransformerCore` whose
+:class:`~fastopt.runtime.GraphRunner` replays one CUDA graph pair per padded size: at a PyG
+example's sizes the layer's ~70 launches cost more host time than its kernels take. As the fx
 rewrites do, on the CPU with ``kernels.backend="auto"`` the layer runs its own code (faster there
 than the operators' references); ``"reference"`` runs the fused path's references there.
 
@@ -41,6 +45,7 @@ from torch import Tensor, nn
 from fastopt import codegen
 from fastopt.config import default_config
 from fastopt.passes.module_rewrite import ModuleReplacement, ModuleRewrite, shared_copy
+from fastopt.runtime import GraphCapture, GraphRunner
 
 __all__ = ["FuseTransformerConv", "FuseGatConv", "FuseGatv2Conv", "pyg_conv_classes"]
 
@@ -207,11 +212,75 @@ def _projections(lins, x: Tensor) -> Tuple[Optional[Tensor], list]:
 def transformer_conv(layer: nn.Module, x, edge_index: Tensor, edge_attr: Optional[Tensor]) -> Tensor:
     """``TransformerConv`` ``layer`` on a dense edge list, attention by ``edge_attention``.
 
+    The dropout mask is drawn first, as the layer draws it. Then, for one node set (not
+    bipartite), the slot count is read back (with the index checks) and the rest runs on inputs
+    padded to :func:`_bucket` sizes (padding edges reach no destination) through the layer's
+    :class:`_TransformerCore` and its CUDA-graph runner: calls of similar size replay one graph
+    pair. Bipartite calls, and degrees too skewed for the slot layout, run unpadded."""
+    src, dst = edge_index[0], edge_index[1]
+    mask = _dropout_mask(layer, x if isinstance(x, Tensor) else x[1], src.numel())
+    if isinstance(x, Tensor) and src.numel():
+        rows = x.shape[0]
+        slots = codegen.edge_slot_count(dst, rows, [("edge_index[0]", src, rows)])
+        if slots is not None:
+            return _padded_call(layer, x, src, dst, edge_attr, mask, slots)
+    x_src, x_dst = (x, x) if isinstance(x, Tensor) else x
+    return transformer_edges(layer, x_src, x_dst, src, dst, edge_attr, mask)
+
+
+def _bucket(n: int) -> int:
+    """``n`` rounded up to one of four sizes per power of two (at most a third more): the padded
+    lengths that calls of similar size share, so that they share CUDA graphs."""
+    step = 1 << max(0, n.bit_length() - 3)
+    return -(-n // step) * step
+
+
+def _padded_call(layer: nn.Module, x: Tensor, src: Tensor, dst: Tensor,
+                 edge_attr: Optional[Tensor], mask: Optional[Tensor], slots: int) -> Tensor:
+    """The layer's core on nodes and edges padded to bucket sizes; the real rows of its output.
+    Padding nodes are zero rows; padding edges read node 0 and point at destination ``N`` (one
+    past the last), which leaves them out of every softmax: they change no value or gradient."""
+    rows, edges = x.shape[0], src.numel()
+    padded_rows, extra = _bucket(rows), _bucket(edges) - edges
+    args = (F.pad(x, (0, 0, 0, padded_rows - rows)), F.pad(src, (0, extra)),
+            F.pad(dst, (0, extra), value=padded_rows),
+            None if edge_attr is None else F.pad(edge_attr, (0, 0, 0, extra)),
+            None if mask is None else F.pad(mask, (0, 0, 0, 0, 0, extra)), slots)
+    core, runner = layer.__dict__["_fastopt_core"], layer.__dict__["_fastopt_core_runner"]
+    return runner(core, core.forward, args, {})[:rows]
+
+
+class _TransformerCore(nn.Module):
+    """A fused ``TransformerConv``'s per-call work on padded inputs, holding the layer's own
+    projections (shared, not copies): the module its :class:`~fastopt.runtime.GraphRunner`
+    captures, one graph pair per padded shape, slot count, grad mode and training flags. Kept
+    out of the layer's registered submodules, so that the layer's ``state_dict`` is PyG's."""
+
+    parts = ("lin_query", "lin_key", "lin_value", "lin_edge", "lin_skip", "lin_beta")
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        for name in self.parts:
+            setattr(self, name, getattr(layer, name, None))
+        self.heads, self.out_channels = layer.heads, layer.out_channels
+        self.concat, self.root_weight = layer.concat, layer.root_weight
+
+    def forward(self, x: Tensor, src: Tensor, dst: Tensor, edge_attr: Optional[Tensor],
+                mask: Optional[Tensor], slots: int) -> Tensor:
+        return transformer_edges(self, x, x, src, dst, edge_attr, mask, slots)
+
+
+def transformer_edges(layer: nn.Module, x_src: Tensor, x_dst: Tensor, src: Tensor, dst: Tensor,
+                      edge_attr: Optional[Tensor], mask: Optional[Tensor],
+                      slots: Optional[int] = None) -> Tensor:
+    """The layer's projections and attention over the edges ``src -> dst``; ``mask`` the dropout
+    multiplier of each edge's values; ``slots`` as :func:`fastopt.codegen.edge_attention` takes
+    it (then nothing is read back).
+
     The query, key, value (and skip) projections of one input run as one product; with edge
     features, keys and values are gathered per edge as one block and the edge projection added
     to both at once (the attention reads them in place, a row stride apart)."""
     heads, channels = layer.heads, layer.out_channels
-    x_src, x_dst = (x, x) if isinstance(x, Tensor) else x
     lins = [layer.lin_query] + ([layer.lin_skip] if layer.root_weight else [])
     if x_src is x_dst:
         whole, parts = _projections(lins + [layer.lin_key, layer.lin_value], x_dst)
@@ -220,8 +289,6 @@ def transformer_conv(layer: nn.Module, x, edge_index: Tensor, edge_attr: Optiona
         dst_side = _projections(lins, x_dst)[1]
         whole, (key, value) = _projections([layer.lin_key, layer.lin_value], x_src)
     query = dst_side[0].reshape(-1, heads, channels)
-    src, dst = edge_index[0], edge_index[1]
-    mask = _dropout_mask(layer, query, src.numel())
     scale = 1.0 / math.sqrt(channels)
     if layer.lin_edge is not None:
         edge = layer.lin_edge(edge_attr).view(-1, 1, heads, channels)
@@ -230,16 +297,16 @@ def transformer_conv(layer: nn.Module, x, edge_index: Tensor, edge_attr: Optiona
             whole.narrow(-1, whole.shape[-1] - 2 * width, 2 * width)
         kv = pair[src].view(-1, 2, heads, channels) + edge
         v = kv[:, 1] if mask is None else kv[:, 1] * mask
-        out = codegen.edge_attention(query, kv[:, 0], v, dst, scale=scale)
+        out = codegen.edge_attention(query, kv[:, 0], v, dst, scale=scale, slots=slots)
     else:
         key = key.reshape(-1, heads, channels)
         value = value.reshape(-1, heads, channels)
         if mask is None:
             out = codegen.edge_attention(query, key, value, dst, k_index=src, v_index=src,
-                                         scale=scale)
+                                         scale=scale, slots=slots)
         else:
             out = codegen.edge_attention(query, key, value[src] * mask, dst, k_index=src,
-                                         scale=scale)
+                                         scale=scale, slots=slots)
     out = _heads_out(layer, out)
     if layer.root_weight:
         skip = dst_side[1]
@@ -252,12 +319,21 @@ def transformer_conv(layer: nn.Module, x, edge_index: Tensor, edge_attr: Optiona
 
 
 class FuseTransformerConv(_PygConvRule):
-    """``torch_geometric.nn.TransformerConv`` -> ``fastopt.codegen.edge_attention``."""
+    """``torch_geometric.nn.TransformerConv`` -> ``fastopt.codegen.edge_attention``, its per-call
+    work a :class:`_TransformerCore` with a CUDA-graph runner (its record in the report)."""
 
     name = "fuse_pyg_transformer_conv"
     layer = "TransformerConv"
     op = "edge_attention"
     mixin = _FusedTransformerConv
+
+    def build(self, module: nn.Module) -> nn.Module:
+        new = super().build(module)
+        # in __dict__, not registered: the layer's modules and state_dict stay PyG's
+        new.__dict__["_fastopt_core"] = _TransformerCore(new)
+        new.__dict__["_fastopt_core_runner"] = GraphRunner(GraphCapture(type(module).__name__),
+                                                           verifying=[new])
+        return new
 
     def _options(self, module: nn.Module) -> list:
         out = []

@@ -25,7 +25,7 @@ outnumber the edges :data:`PADDING_LIMIT` times runs :func:`reference_edge_atten
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,7 @@ from fastopt.codegen.layout import acc_dtype
 from fastopt.errors import KernelError
 
 __all__ = ["edge_attention", "edge_softmax_aggregate", "edge_slots", "reference_edge_attention",
-           "PADDING_LIMIT"]
+           "slot_count", "PADDING_LIMIT"]
 
 PADDING_LIMIT = 4
 """Padded slots ``N * K`` allowed per edge (plus one per destination) before the segment path."""
@@ -95,14 +95,38 @@ def _check(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, k_index: Optional[Tenso
     return edges
 
 
-def _check_values(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, counts: Tensor,
-                  k_index: Optional[Tensor], v_index: Optional[Tensor]) -> int:
-    """The largest in-degree, and with ``config.kernels.check_inputs`` the index ranges, in one
-    host read."""
-    ranged = [("dst", dst, q.shape[0], "q needs one row per destination node")]
-    for name, index, table in (("k_index", k_index, k), ("v_index", v_index, v)):
-        if index is not None:
-            ranged.append((name, index, table.shape[0], f"the table has {table.shape[0]} rows"))
+def _slot_count(counts: Tensor, rows: int, edges: int, ranged: list) -> Optional[int]:
+    """The slot count ``K`` (the largest of ``counts`` rounded up to a power of two), and with
+    ``config.kernels.check_inputs`` the ranges of ``ranged`` (``(name, index, rows, fix)``), in one
+    host read; None where the padded slots would outnumber the edges :data:`PADDING_LIMIT` times.
+    """
+    degree = _read_back(counts, ranged)
+    # slots rounded up to a power of two: the kernels specialize per slot count, and a layer's
+    # largest in-degree changes from call to call
+    slots = 1 << (degree - 1).bit_length()
+    return None if rows * slots > PADDING_LIMIT * (edges + rows) else slots
+
+
+def slot_count(dst: Tensor, num_dst: int, ranged: Sequence[Tuple[str, Tensor, int]] = ()) -> Optional[int]:
+    """The ``slots`` of :func:`edge_attention` for edges into ``dst`` (one host read, which also
+    checks ``dst`` and the ``(name, index, rows)`` of ``ranged`` with
+    ``config.kernels.check_inputs``), or None where the degrees are so skewed that the segment
+    path should run (call without ``slots`` then). Read it before a CUDA graph's capture or
+    replay: the call with ``slots`` reads nothing back."""
+    checks.is_tensor("dst", dst)
+    checks.has_ndim("dst", dst, 1, "[E], the destination of each edge")
+    if dst.numel() == 0 or num_dst == 0:
+        return 1
+    counts = torch.zeros(num_dst + 1, dtype=torch.int64, device=dst.device)
+    counts.index_add_(0, dst.long().clamp(0, num_dst), torch.ones_like(dst, dtype=torch.int64))
+    return _slot_count(counts[:num_dst], num_dst, dst.numel(),
+                       [("dst", dst, num_dst, "edges must point at a destination row")]
+                       + [(name, t, rows, f"the table has {rows} rows") for name, t, rows in ranged])
+
+
+def _read_back(counts: Tensor, ranged: list) -> int:
+    """The largest of ``counts`` and, with ``config.kernels.check_inputs``, the index ranges, in
+    one host read (a range error names the index, its bad value and the fix)."""
     checked = checks.values_checked()
     parts = [counts.max()]
     if checked:
@@ -120,7 +144,7 @@ def _check_values(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, counts: Tensor,
 def edge_attention(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, *,
                    k_index: Optional[Tensor] = None, v_index: Optional[Tensor] = None,
                    scale: Optional[float] = None, dropout_p: float = 0.0,
-                   seed: Union[int, Tensor] = 0) -> Tensor:
+                   seed: Union[int, Tensor] = 0, slots: Optional[int] = None) -> Tensor:
     """Per destination ``n``: ``sum_e softmax_e(q[n] . k_e * scale) v_e`` over edges into ``n``.
 
     Args:
@@ -133,6 +157,9 @@ def edge_attention(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, *,
         scale: Score scale; default ``1 / sqrt(d)``.
         dropout_p: Dropout of the attention weights (kept ones scaled by ``1 / (1 - p)``).
         seed: Philox key of the dropout draws (see :func:`~fastopt.codegen.temporal_attention`).
+        slots: The slot count from :func:`slot_count`, read (and the indices checked) by the
+            caller: then nothing is read back (a CUDA graph can capture the call), and an edge
+            whose destination is ``N`` (one past the last) is padding, left out.
 
     Returns:
         ``[N, H, d]``; destinations without an incoming edge are zeros.
@@ -149,13 +176,15 @@ def edge_attention(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, *,
         # zeros that stay connected to q, k and v (zero gradients, as the sum over no edge has)
         return q.new_zeros(q.shape) + (q[:0].sum() + k[:0].sum() + v[:0].sum())
     indptr, perm = edge_csr(dst, rows)
-    degree = _check_values(q, k, v, dst, indptr[1:] - indptr[:-1], k_index, v_index)
-    # slots rounded up to a power of two: the kernels specialize per slot count, and a layer's
-    # largest in-degree changes from call to call
-    slots = 1 << (degree - 1).bit_length()
-    if rows * slots > PADDING_LIMIT * (edges + rows):
-        return reference_edge_attention(q, k, v, dst, k_index=k_index, v_index=v_index,
-                                        scale=scale, dropout_p=dropout_p, seed=seed)
+    if slots is None:
+        ranged = [("dst", dst, rows, "q needs one row per destination node")]
+        for name, index, table in (("k_index", k_index, k), ("v_index", v_index, v)):
+            if index is not None:
+                ranged.append((name, index, table.shape[0], f"the table has {table.shape[0]} rows"))
+        slots = _slot_count(indptr[1:] - indptr[:-1], rows, edges, ranged)
+        if slots is None:
+            return reference_edge_attention(q, k, v, dst, k_index=k_index, v_index=v_index,
+                                            scale=scale, dropout_p=dropout_p, seed=seed)
     slot_edge = slot_edges(indptr, perm, slots)
     k_slots = slot_edge if k_index is None else k_index[slot_edge]
     v_slots = k_slots if v_index is k_index else (  # one index: one sort of it in the backward

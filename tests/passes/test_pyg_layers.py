@@ -270,3 +270,49 @@ def test_a_layer_with_propagate_hooks_runs_its_own_forward(reference_backend):
     x, edge_index, edge_attr = _graph()
     fast(x, edge_index, edge_attr)
     assert calls == [1]
+
+
+def test_transformer_conv_pads_to_shared_bucket_sizes(reference_backend):
+    """The fused TransformerConv runs its per-call work on inputs padded to bucket sizes (what
+    its CUDA graphs are keyed by) through a core that shares the layer's projections; the report
+    lists that core's graph record, and a copy of the layer gets its own core."""
+    from fastopt.passes import pyg_conv
+
+    assert [pyg_conv._bucket(n) for n in (1, 7, 8, 9, 60, 1800, 5525)] == [1, 7, 8, 10, 64, 2048, 6144]
+    layer = LAYERS["transformer"]().eval()
+    fast = fastopt.optimize(copy.deepcopy(layer))
+    seen = []
+    core = fast.__dict__["_fastopt_core"]
+    real = type(core).forward
+    core.forward = lambda *args: seen.append(tuple(a.shape for a in args[:2])) or real(core, *args)
+    x, edge_index, edge_attr = _graph()
+    torch.testing.assert_close(fast(x, edge_index, edge_attr), layer(x, edge_index, edge_attr),
+                               rtol=1e-4, atol=1e-5)
+    assert seen == [((14, IN), (64,))]  # 14 nodes (a bucket size), 60 edges padded to 64
+    assert core.lin_query is fast.lin_query and "_fastopt_core" not in dict(fast.named_modules())
+    assert any(g.where.endswith("(padded core)") for g in fast.fastopt_report.graphs)
+    twin = copy.deepcopy(fast)
+    assert twin.__dict__["_fastopt_core"].lin_query is twin.lin_query is not fast.lin_query
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_transformer_conv_replays_one_captured_graph_for_calls_of_one_size():
+    torch.manual_seed(0)
+    layer = TransformerConv(IN, 6, heads=2, edge_dim=EDGE_DIM).cuda().train()  # dropout 0
+    original = copy.deepcopy(layer)
+    fast = fastopt.optimize(layer)
+    _, edge_index, edge_attr = _graph()
+    edge_index, edge_attr = edge_index.cuda(), edge_attr.cuda()
+    for i in range(4):  # a signature is captured on its second call, replayed on the later ones
+        x = torch.randn(NODES, IN, generator=torch.Generator().manual_seed(i)).cuda()
+        grad = torch.randn(NODES, 12, generator=torch.Generator().manual_seed(10 + i)).cuda()
+        want, want_grads = _run(original, *_leaves(x, edge_attr)[:1], edge_index,
+                                _leaves(x, edge_attr)[1], grad)
+        got, got_grads = _run(fast, *_leaves(x, edge_attr)[:1], edge_index,
+                              _leaves(x, edge_attr)[1], grad)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        for a, b in zip(got_grads, want_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    record = fast.__dict__["_fastopt_core_runner"].record
+    assert record.state == "captured" and record.captures == 1, record
