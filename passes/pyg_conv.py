@@ -49,6 +49,9 @@ from fastopt.runtime import GraphCapture, GraphRunner
 
 __all__ = ["FuseTransformerConv", "FuseGatConv", "FuseGatv2Conv", "pyg_conv_classes"]
 
+CORE_GRAPHS = 4
+"""Graph pairs a fused TransformerConv keeps, in units of ``config.passes.max_graphs``."""
+
 
 @functools.lru_cache(maxsize=None)
 def pyg_conv_classes() -> dict:
@@ -331,8 +334,11 @@ class FuseTransformerConv(_PygConvRule):
         new = super().build(module)
         # in __dict__, not registered: the layer's modules and state_dict stay PyG's
         new.__dict__["_fastopt_core"] = _TransformerCore(new)
-        new.__dict__["_fastopt_core_runner"] = GraphRunner(GraphCapture(type(module).__name__),
-                                                           verifying=[new])
+        # one layer sees several padded sizes and slot counts, in training and in evaluation: up
+        # to CORE_GRAPHS x passes.max_graphs graph pairs, so that an epoch's sizes stay captured
+        limit = CORE_GRAPHS * default_config().passes.max_graphs
+        new.__dict__["_fastopt_core_runner"] = GraphRunner(
+            GraphCapture(type(module).__name__), {"passes__max_graphs": limit}, verifying=[new])
         return new
 
     def _options(self, module: nn.Module) -> list:
