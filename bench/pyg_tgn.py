@@ -37,7 +37,7 @@ import torch
 
 import fastopt
 from _meta import write_record
-from fastopt.baselines.pyg_tgn import run_pyg_tgn, verify_modules
+from fastopt.baselines.pyg_tgn import difference, run_pyg_tgn, verify_modules
 from fastopt.data import TemporalGraph, load_dataset
 from fastopt.errors import FastOptError
 
@@ -98,9 +98,7 @@ def _check_conv(eager, fast, inputs) -> tuple:
     largest, bad = 0.0, None
     for what, g, w in [("output", got, want), *((f"gradient {i}", a, b) for i, (a, b) in
                                                 enumerate(zip(got_grads, want_grads)))]:
-        diff = float((g.detach().double() - w.detach().double()).abs().max())
-        top = float(w.detach().double().abs().max())
-        bound = (1e-5 * max(top, 1.0) if what != "output" else 1e-5) + 1e-4 * top
+        diff, bound = difference(g, w, gradient=what != "output")
         largest = max(largest, diff)
         if diff > bound and bad is None:
             bad = f"{what}: largest difference {diff:.3g} > {bound:.3g}"

@@ -39,7 +39,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ from fastopt.metrics import average_precision, roc_auc
 if TYPE_CHECKING:
     from fastopt.data import TemporalGraph
 
-__all__ = ["run_pyg_tgn", "verify_modules"]
+__all__ = ["run_pyg_tgn", "verify_modules", "difference"]
 
 LEARNING_RATE = 1e-4
 """Adam's learning rate in PyG's example."""
@@ -206,6 +206,17 @@ def verify_modules(graph, modules: Callable[[nn.Module], nn.Module], *, batch_si
     return {"ok": mismatch is None, "steps": done, "largest": largest, "first_mismatch": mismatch}
 
 
+def difference(got: Tensor, want: Tensor, gradient: bool = False) -> Tuple[float, float]:
+    """``(largest absolute difference, its float32 bound)``: ``1e-5 + 1e-4 * max|want|``, and for
+    a gradient ``1e-5 * max(max|want|, 1)`` in place of ``1e-5`` (a gradient's rounding scales
+    with its largest element)."""
+    got, want = got.detach().double(), want.detach().double()
+    if not want.numel():
+        return 0.0, 1e-5
+    diff, top = float((got - want).abs().max()), float(want.abs().max())
+    return diff, (1e-5 * max(top, 1.0) if gradient else 1e-5) + 1e-4 * top
+
+
 @contextlib.contextmanager
 def _deterministic() -> Iterator[None]:
     """Deterministic algorithms where torch has them (warnings, not errors, where it has none):
@@ -247,12 +258,8 @@ def _compare_steps(graph, batch_size, steps, runs, criterion, stream, negatives,
                 continue
             if g is None:
                 continue
-            g, w = g.detach(), w.detach()
-            diff = float((g.double() - w.double()).abs().max()) if w.numel() else 0.0
-            scale = float(w.double().abs().max()) if kind == "gradients" and w.numel() else 1.0
+            diff, bound = difference(g, w, gradient=kind == "gradients")
             largest[kind] = max(largest[kind], diff)
-            bound = (1e-5 * max(scale, 1.0) if kind == "gradients" else 1e-5) \
-                + 1e-4 * float(w.double().abs().max() if w.numel() else 0.0)
             if diff > bound and mismatch is None:
                 mismatch = f"{what}: largest difference {diff:.3g} > {bound:.3g}"
         # the next step starts from the eager model's parameters and memory: float-order
