@@ -50,10 +50,11 @@ class LastNeighborLoader:
         """``(n_id, edge_index, e_id)``: the nodes with their neighbors (sorted, unique), edges
         ``[2, E]`` from neighbor to node as positions in that ``n_id``, and the edges' event ids."""
         size = self.size
-        valid = torch.nonzero((self.e_id[n_id] >= 0).view(-1)).view(-1)
+        e_ids = self.e_id[n_id].view(-1)
+        valid = torch.nonzero(e_ids >= 0).view(-1)
         neighbors = self.neighbors[n_id].view(-1)[valid]
         nodes = n_id.view(-1, 1).expand(-1, size).reshape(-1)[valid]
-        e_id = self.e_id[n_id].view(-1)[valid]
+        e_id = e_ids[valid]
         n_id = torch.cat([n_id, neighbors]).unique()
         self._assoc[n_id] = torch.arange(n_id.size(0), device=n_id.device)
         return n_id, torch.stack([self._assoc[neighbors], self._assoc[nodes]]), e_id
