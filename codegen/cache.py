@@ -44,15 +44,16 @@ from fastopt.config import default_config
 from fastopt.errors import KernelError
 
 __all__ = ["CacheKey", "KernelCache", "kernel_cache", "device_identity", "default_cache_dir",
-           "KERNEL_NAME_PLACEHOLDER", "atomic_file"]
+           "KERNEL_NAME_PLACEHOLDER", "atomic_file", "package_version"]
 
 # Name of the kernel in a rendered template before the cache names it fo_<family>_<hash8>.
 KERNEL_NAME_PLACEHOLDER = "fo_kernel_unnamed"
 
 
 @functools.lru_cache(maxsize=None)
-def _version(package: str) -> str:
-    # Cached: reading package metadata scans sys.path (about half a millisecond a call).
+def package_version(package: str) -> str:
+    """An installed package's version, or ``"not installed"``; cached (reading package metadata
+    scans ``sys.path``, about half a millisecond a call)."""
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
@@ -108,8 +109,8 @@ class CacheKey:
             device_name=name,
             capability=capability,
             torch_version=versions.get("torch", torch.__version__),
-            triton_version=versions.get("triton", _version("triton")),
-            fastopt_version=versions.get("fastopt", _version("fastopt")),
+            triton_version=versions.get("triton", package_version("triton")),
+            fastopt_version=versions.get("fastopt", package_version("fastopt")),
         )
 
     @property

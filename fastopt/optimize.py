@@ -96,5 +96,6 @@ def _apply_record(cfg: Config, model: nn.Module) -> Tuple[Config, str]:
 
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
-    cfg, match = apply_tuned(cfg, tuning_fingerprint(model), None, device, groups=_TUNED_GROUPS)
+    cfg, match = apply_tuned(cfg, lambda: tuning_fingerprint(model), None, device,
+                             groups=_TUNED_GROUPS)
     return cfg, match.describe() if match else "no tuned record matches this device and model; defaults"

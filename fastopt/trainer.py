@@ -180,7 +180,8 @@ class Trainer:
         if records or (records is None and (config is None or isinstance(config, str))):
             from fastopt.tuner.records import apply_tuned
 
-            self.config, self.tuned = apply_tuned(self.config, tuning_fingerprint(model), graph, self.device)
+            self.config, self.tuned = apply_tuned(self.config, lambda: tuning_fingerprint(model), graph,
+                                                  self.device)
             self._say(f"config: {self.tuned.describe() if self.tuned else 'no tuned record matches; defaults'}")
         tc = self.config.train
         model = model.to(self.device)

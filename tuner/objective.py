@@ -30,6 +30,7 @@ import os
 import socket
 import statistics
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
@@ -41,7 +42,7 @@ from fastopt.errors import ConfigError, FastOptError
 from fastopt.tuner.space import SearchSpace
 
 __all__ = ["Measurement", "StepObjective", "Window", "check_against_eager", "measure_window",
-           "device_memory_limit"]
+           "device_memory_limit", "release"]
 
 
 @dataclass(frozen=True)
@@ -126,9 +127,9 @@ def measure_window(trainer, window: Window,
                           f"{trainer.config.train.batch_size}, none left to time after "
                           f"{window.warmup} warm-up steps; lower tuner.warmup_steps or the batch size")
     device = trainer.device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     marks, half, skip = _Marks(device), (timed // 2 if checkpoint else 0), None
+    if marks.cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     if window.warmup == 0:
         marks.mark()  # the first step is timed from here
     with contextlib.closing(trainer.train_steps(epoch=0)) as losses:
@@ -146,7 +147,7 @@ def measure_window(trainer, window: Window,
     if skip is not None and marks.cuda and len(intervals) > skip:
         del intervals[skip]
     step = statistics.median(intervals)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    peak = torch.cuda.max_memory_allocated(device) if marks.cuda else None
     return Measurement(step, step * batches, intervals, "cuda_events" if marks.cuda else "wall",
                        window.warmup, peak)
 
@@ -219,6 +220,9 @@ class StepObjective:
     ``values`` (every value set, fixed ones included), ``verified`` (what the check returned),
     ``step_seconds``, ``steps``, ``timing``, ``peak_device_bytes``, and ``failure`` or
     ``pruned`` with the reason when pruned.
+
+    A trial leaves its trainer to be collected: call :func:`release` between trials
+    (:func:`~fastopt.tuner.study.tune` does, once Optuna has dropped the trial).
     """
 
     def __init__(self, space: SearchSpace, config: Config, make_trainer: Callable[[Config], Any],
@@ -226,15 +230,24 @@ class StepObjective:
                  check: Optional[Callable[[Any], Optional[float]]] = None) -> None:
         self.space, self.config, self.make_trainer = space, config, make_trainer
         self.window, self.max_device_memory, self.check = window, max_device_memory, check
+        self._trainer: Callable[[], Any] = lambda: None  # the last trial's, by weak reference
+
+    def trainer_alive(self) -> bool:
+        """Whether the last trial's trainer is still alive (or cannot be referred to weakly)."""
+        return self._trainer() is not None
 
     def __call__(self, trial: optuna.Trial) -> float:
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         values = self.space.suggest(trial)
         trial.set_user_attr("values", values)
-        trainer = None
+        trainer, self._trainer = None, lambda: None
         try:
             config = self.space.apply(self.config, values)
             trainer = self.make_trainer(config)
+            try:
+                self._trainer = weakref.ref(trainer)
+            except TypeError:  # not weakly referable: counted as alive
+                self._trainer = lambda: True
             with device_memory_limit(trainer.device, self.max_device_memory):
                 if self.check is not None:
                     trial.set_user_attr("verified", self.check(trainer))
@@ -247,8 +260,7 @@ class StepObjective:
             trial.set_user_attr("failure", reason)
             raise optuna.TrialPruned(reason) from None
         finally:
-            del trainer
-            _release()
+            del trainer  # freed by release() once the trial is over (study.tune calls it)
         trial.set_user_attr("step_seconds", result.step_seconds)
         trial.set_user_attr("steps", result.steps)
         trial.set_user_attr("timing", result.timing)
@@ -271,8 +283,11 @@ def _prune_if_slow(trial: optuna.Trial, step: int, epoch_seconds: float) -> None
         raise optuna.TrialPruned(reason)
 
 
-def _release() -> None:
-    """Free what a trial left behind (its trainer, captured graphs, cached blocks)."""
+def release() -> None:
+    """Free what a trial left behind (its trainer, captured graphs, cached blocks): one garbage
+    collection, then the CUDA allocator's cached blocks. :func:`~fastopt.tuner.study.tune` calls
+    it after each trial, once Optuna has dropped the trial's frames (a pruned trial's traceback
+    holds its trainer until then)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

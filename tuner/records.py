@@ -18,8 +18,8 @@ model family (closest dataset signature), else none: the defaults stay, and noth
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
-import importlib.metadata
 import json
 import math
 import os
@@ -29,12 +29,13 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 import fastopt
-from fastopt.codegen.cache import atomic_file
+from fastopt.codegen.cache import atomic_file, package_version
+from fastopt.codegen.cache import device_identity as kernel_device_identity
 from fastopt.config import Config
 from fastopt.errors import ConfigError, FastOptError
 from fastopt.tuner.space import knob_fields
@@ -60,16 +61,17 @@ class RecordError(FastOptError, ValueError):
 
 def device_identity(device) -> Dict[str, str]:
     """``{"kind", "name", "capability"}`` of a torch device: the GPU's name and compute capability
-    (``"9.0"``), or ``"cpu"`` and the CPU model."""
+    (``"9.0"``), or ``"cpu"`` and the CPU model (both looked up once a process)."""
     import torch
 
     device = torch.device(device)
     if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return {"kind": "cuda", "name": torch.cuda.get_device_name(device), "capability": f"{major}.{minor}"}
+        name, capability = kernel_device_identity(device)  # the kernel cache's, cached per GPU
+        return {"kind": "cuda", "name": name, "capability": capability}
     return {"kind": "cpu", "name": _cpu_model(), "capability": "cpu"}
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -113,11 +115,9 @@ def library_versions() -> Dict[str, Optional[str]]:
 
     from fastopt import __version__
 
-    try:
-        triton = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        triton = None
-    return {"torch": torch.__version__, "triton": triton, "fastopt": __version__}
+    triton = package_version("triton")  # the kernel cache's lookup, cached
+    return {"torch": torch.__version__, "triton": None if triton == "not installed" else triton,
+            "fastopt": __version__}
 
 
 @dataclass
@@ -281,10 +281,20 @@ def signature_distance(a: Dict[str, Any], b: Dict[str, Any]) -> float:
                      for k in _SIZE_KEYS))
 
 
-def find_record(device: Dict[str, str], model: Dict[str, Any], dataset: Optional[Dict[str, Any]],
+# a value, or a function of no arguments giving it (computed only where it is needed)
+Lazy = Union[Dict[str, Any], Callable[[], Dict[str, Any]]]
+
+
+def _value(lazy: Optional[Lazy]) -> Optional[Dict[str, Any]]:
+    return lazy() if callable(lazy) else lazy
+
+
+def find_record(device: Dict[str, str], model: Lazy, dataset: Optional[Lazy],
                 dirs: Sequence[Union[str, os.PathLike]]) -> Optional[RecordMatch]:
     """The record for ``device``, ``model`` and ``dataset`` (from :func:`device_identity`,
-    :func:`model_fingerprint`, :func:`dataset_signature`) in ``dirs``, or None.
+    :func:`model_fingerprint`, :func:`dataset_signature`) in ``dirs``, or None. ``model`` and
+    ``dataset`` may be functions giving them, called only where a record of the device exists
+    (the model's fingerprint traces it).
 
     Exact: same device, model key and dataset signature (sizes, widths, degree percentiles; the
     name aside). Else nearest: same device and model family, the smallest
@@ -300,6 +310,9 @@ def find_record(device: Dict[str, str], model: Dict[str, Any], dataset: Optional
         return RecordMatch(record, path, how)
 
     candidates = [(p, r) for p, r in read_records([Path(d) for d in dirs]) if _same_device(r.device, device)]
+    if not candidates:
+        return None
+    model, dataset = _value(model), _value(dataset)
     same_model = [(p, r) for p, r in candidates if r.model.get("key") == model.get("key")]
     if dataset is None:
         return best(same_model, "model") if same_model else None
@@ -314,7 +327,7 @@ def find_record(device: Dict[str, str], model: Dict[str, Any], dataset: Optional
     return RecordMatch(record, path, "nearest", distance)
 
 
-def apply_tuned(config: Config, fingerprint: Dict[str, Any], graph, device,
+def apply_tuned(config: Config, fingerprint: Lazy, graph, device,
                 dirs: Optional[Sequence[Union[str, os.PathLike]]] = None, *,
                 groups: Optional[Sequence[str]] = None) -> Tuple[Config, Optional[RecordMatch]]:
     """``config`` with the values of the record matching this run (:func:`find_record`), and the
@@ -327,7 +340,9 @@ def apply_tuned(config: Config, fingerprint: Dict[str, Any], graph, device,
 
     Args:
         fingerprint: the model's key, :func:`fastopt.trainer.tuning_fingerprint` (from its traced
-            graphs), the one :func:`fastopt.tuner.tune` files records under.
+            graphs), the one :func:`fastopt.tuner.tune` files records under; or a function giving
+            it (``lambda: tuning_fingerprint(model)``), called only where a record of the device
+            exists, so that a run without records never traces the model for it.
         graph: the event stream, or None where the caller has none (:func:`fastopt.optimize`):
             then only a record of the same model fingerprint matches.
         groups: config groups the caller uses (``("kernels", "passes")`` for
@@ -336,7 +351,7 @@ def apply_tuned(config: Config, fingerprint: Dict[str, Any], graph, device,
     """
     try:
         match = find_record(device_identity(device), fingerprint,
-                            None if graph is None else dataset_signature(graph),
+                            None if graph is None else functools.partial(dataset_signature, graph),
                             dirs if dirs is not None else records_dirs(config))
     except (OSError, ValueError, TypeError, KeyError) as exc:
         warnings.warn(f"tuning records could not be searched ({exc}); the defaults apply", stacklevel=2)

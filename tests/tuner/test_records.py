@@ -136,6 +136,30 @@ def test_apply_tuned_sets_tuned_knobs_only(tmp_path, tgn, small_graph):
     assert "exact match" in match.describe() and "sampler.threads=1" in match.describe()
 
 
+def test_the_fingerprint_and_signature_are_computed_only_where_a_record_of_the_device_exists(
+        tmp_path, tgn, small_graph, monkeypatch):
+    import fastopt.tuner.records as records
+
+    traced, signed = [], []
+    real_signature = records.dataset_signature
+    monkeypatch.setattr(records, "dataset_signature", lambda graph: signed.append(1) or real_signature(graph))
+
+    def fingerprint():
+        traced.append(1)
+        return tuning_fingerprint(tgn)
+
+    assert apply_tuned(Config(), fingerprint, small_graph, "cpu", dirs=[tmp_path])[1] is None
+    assert not traced and not signed  # no records: nothing traced, no degrees counted
+    record_for(tgn, small_graph, {"sampler.threads": 1}, device=dict(device_identity("cpu"), name="another cpu")
+               ).save(tmp_path)
+    assert apply_tuned(Config(), fingerprint, small_graph, "cpu", dirs=[tmp_path])[1] is None
+    assert not traced and not signed  # a record of another device only
+    record_for(tgn, small_graph, {"sampler.threads": 1}).save(tmp_path / "here")
+    tuned, match = apply_tuned(Config(), fingerprint, small_graph, "cpu", dirs=[tmp_path / "here"])
+    assert match.how == "exact" and tuned.sampler.threads == 1 and traced == [1] and signed == [1]
+    assert find_record(device_identity("cpu"), fingerprint, None, [tmp_path / "here"]).how == "model"
+
+
 def test_a_broken_record_is_skipped_with_a_warning(tmp_path, tgn, small_graph):
     (tmp_path / "broken.json").write_text("{")
     with pytest.warns(UserWarning, match="broken.json"):

@@ -3,7 +3,9 @@ study resumes from its SQLite file, and the record is exported. Timings are neve
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import weakref
 
 import optuna
 import pytest
@@ -116,6 +118,38 @@ def test_export_and_its_errors(small_graph, config, tmp_path, one_thread):
         export_record(db, "dead", tmp_path)
     with pytest.raises(StudyError, match="cannot be opened"):
         open_study("nosuchdriver://x", "s")
+
+
+def test_one_collection_per_trial_and_each_trainer_freed_before_the_next(small_graph, config, tmp_path,
+                                                                       one_thread, monkeypatch):
+    import fastopt.tuner.objective as objective
+
+    make, trainers, collections = default_trainer("tgn", small_graph), [], []
+
+    def factory(cfg):
+        assert all(ref() is None for ref in trainers)  # the last trial's trainer is gone
+        trainer = make(cfg)
+        trainers.append(weakref.ref(trainer))
+        return trainer
+
+    real_measure = objective.measure_window
+
+    def measure(trainer, window, checkpoint=None):
+        if len(trainers) == 2:  # a failure whose traceback holds the trainer until Optuna drops it
+            raise RuntimeError("the window failed")
+        return real_measure(trainer, window, checkpoint)
+
+    monkeypatch.setattr(objective, "measure_window", measure)
+    real_collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(args) or real_collect(*args))
+    frozen = gc.get_freeze_count()
+    run = tune(small_graph, "tgn", config, trials=3, storage=str(tmp_path / "gc.db"), study_name="gc",
+               window=WINDOW, say=lambda line: None, make_trainer=factory)
+    assert [t.state for t in run.study.trials] == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED,
+                                                   optuna.trial.TrialState.COMPLETE]
+    assert len(trainers) == 3 and all(ref() is None for ref in trainers)
+    assert len(collections) == 1 + 3  # one before the trials, then one per trial
+    assert gc.get_freeze_count() == frozen  # what the study froze is thawed
 
 
 def test_storage_urls():
