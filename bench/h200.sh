@@ -27,7 +27,11 @@ OUT=${OUT:?set OUT to the output folder}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/env.log" 2>&1
 python3 -m pip install -q --no-build-isolation --no-deps -e . >> "$OUT/env.log" 2>&1 || { tail "$OUT/env.log"; exit 1; }
 STEPS=${STEPS:-tests kernels optimize}
-[[ " $STEPS " == *" tests "* ]] && timeout "${TESTS_S:-540}" python3 -m pytest -q -m gpu ${TESTS:-tests} -p no:cacheprovider -ra > "$OUT/gputests.log" 2>&1
+# tests: TEST_WORKERS processes (6: the whole suite in about 150 s at 3caab7a); each failure is
+# written to failures.txt as it happens (bench/pytest_failures.py), a cut run included
+[[ " $STEPS " == *" tests "* ]] && PYTHONPATH="bench${PYTHONPATH:+:$PYTHONPATH}" timeout "${TESTS_S:-540}" \
+    python3 -m pytest -q -m gpu ${TESTS:-tests} -n "${TEST_WORKERS:-6}" -p pytest_failures -p no:cacheprovider -ra \
+    > "$OUT/gputests.log" 2>&1
 [[ " $STEPS " == *" kernels "* ]] && timeout "${KERNELS_S:-170}" python3 bench/kernels.py --rows 18000 36000 --iters 20 --warmup 3 \
     --json "$OUT/kernels.json" --mappings ${MAPPINGS:-block_m=2 block_m=2,attention_softmax=online num_warps=2 gather_eviction=none} > "$OUT/kernels.log" 2>&1
 [[ " $STEPS " == *" optimize "* ]] && timeout "${OPTIMIZE_S:-240}" python3 bench/optimize.py --models tgat,tgn --iters 30 --warmup 5 \
@@ -75,4 +79,5 @@ fi
 [ -f "$OUT/breakdown.log" ] && tail -3 "$OUT/breakdown.log"
 [ -f "$OUT/projections.log" ] && tail -12 "$OUT/projections.log"
 [ -f "$OUT/gputests.log" ] && tail -4 "$OUT/gputests.log"
+[ -f "$OUT/failures.txt" ] && grep "^===" "$OUT/failures.txt"
 true
