@@ -55,11 +55,11 @@ fi
 if [[ " $STEPS " == *" tune "* ]]; then
     for d in ${TUNE_DATASETS:-wikipedia}; do
         for m in ${TUNE_MODELS:-tgn tgat}; do
-            timeout "${TUNE_S:-900}" fastopt tune --dataset "$d" --model $m --batch-size 600 \
+            timeout "${TUNE_S:-900}" fastopt tune --dataset "$d" --model $m --batch-size 600 --edge-dim 172 \
                 --trials "${TRIALS:-40}" --timeout "$(( ${TUNE_S:-900} - 60 ))" --storage "sqlite:///$OUT/tune.db" \
                 --out "$OUT/records" ${MAX_MEMORY_GB:+--max-device-memory "$MAX_MEMORY_GB"} --no-progress >> "$OUT/tune.log" 2>&1
             FASTOPT_TUNER_RECORDS_DIR="$OUT/records" timeout "${BENCH_S:-130}" fastopt bench --dataset "$d" --model $m \
-                --batch-size 600 --epochs "${BENCH_EPOCHS:-4}" --contenders fastopt,fastopt-tuned --no-progress \
+                --batch-size 600 --edge-dim 172 --epochs "${BENCH_EPOCHS:-4}" --contenders fastopt,fastopt-tuned --no-progress \
                 --json "$OUT/tuned-$m-$(basename "$d" | cut -d. -f1).json" >> "$OUT/tune.log" 2>&1
         done
     done
