@@ -23,7 +23,7 @@ Layering: imports nothing of fastopt but :mod:`fastopt.errors`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -76,6 +76,7 @@ class AccessPlan:
     evict_ids: torch.Tensor  # [e] ids that lose their slot (e <= a: free slots evict nothing)
     evict_slots: torch.Tensor  # [e] their former slots
     evict_dirty: torch.Tensor  # [e] bool: rows that must be written back first
+    admit_ids: torch.Tensor = field(default_factory=lambda: _EMPTY)  # [a] ids of the admitted misses
 
     @classmethod
     def none(cls, n: int) -> "AccessPlan":
@@ -258,15 +259,16 @@ class SlotDirectory:
         hit = slots >= 0
         hit_pos = torch.nonzero(hit).flatten()
         miss_pos = torch.nonzero(~hit).flatten()
-        hit_slots = slots[hit]
-        self.next_use.index_copy_(0, hit_slots, next_use[hit])
+        # Gathers by the positions just found rather than by the mask: a mask index searches it again.
+        hit_slots = slots.index_select(0, hit_pos)
+        self.next_use.index_copy_(0, hit_slots, next_use.index_select(0, hit_pos))
         self.last_use.index_fill_(0, hit_slots, t)
         plan = AccessPlan(hit_pos, hit_slots, miss_pos, _EMPTY, _EMPTY, _EMPTY, _EMPTY,
                           torch.empty(0, dtype=torch.bool))
         m = miss_pos.numel()
         if m == 0 or not self.policy.admits:
             return plan
-        miss_next = next_use[~hit]
+        miss_next = next_use.index_select(0, miss_pos)
         if m <= self.capacity - self.filled:
             # Room for every miss: the ranking below would drop only free slots.
             admit_sel = torch.arange(m)
@@ -279,13 +281,15 @@ class SlotDirectory:
         res_keys = self.policy.keys(self.next_use, self.last_use) * 2
         res_keys.masked_fill_(self.id_of < 0, _FREE)
         drop = torch.topk(torch.cat([res_keys, miss_keys * 2 + 1]), m, sorted=False).indices
-        freed = drop[drop < self.capacity]
-        if freed.numel() == 0:
+        # Sorted, the dropped residents' slots lead and the dropped misses follow.
+        drop, _ = torch.sort(drop)
+        k = int(np.searchsorted(drop.numpy(), self.capacity))
+        if k == 0:
             return plan
+        freed = drop[:k]
         kept = torch.ones(m, dtype=torch.bool)
-        kept.index_fill_(0, drop[drop >= self.capacity] - self.capacity, False)
+        kept.index_fill_(0, drop[k:] - self.capacity, False)
         admit_sel = torch.nonzero(kept).flatten()
-        freed, _ = torch.sort(freed)
         self.filled = max(self.filled, int(freed[-1]) + 1)
         return self._admit(plan, values, t, admit_sel, freed, miss_next)
 
@@ -295,8 +299,8 @@ class SlotDirectory:
         # index_select/index_copy_ rather than advanced indexing: the latter is far slower on
         # the CPU when its intra-op threads compete with other work.
         old = self.id_of.index_select(0, freed)
-        occupied = old >= 0
-        plan.evict_ids, plan.evict_slots = old[occupied], freed[occupied]
+        occupied = torch.nonzero(old >= 0).flatten()
+        plan.evict_ids, plan.evict_slots = old.index_select(0, occupied), freed.index_select(0, occupied)
         plan.evict_dirty = self.dirty.index_select(0, plan.evict_slots)
         self.slot_of.index_fill_(0, plan.evict_ids, -1)
         admit_ids = values.index_select(0, plan.miss_pos.index_select(0, admit_sel))
@@ -305,7 +309,7 @@ class SlotDirectory:
         self.next_use.index_copy_(0, freed, miss_next.index_select(0, admit_sel))
         self.last_use.index_fill_(0, freed, t)
         self.dirty.index_fill_(0, freed, False)
-        plan.admit_sel, plan.admit_slots = admit_sel, freed
+        plan.admit_sel, plan.admit_slots, plan.admit_ids = admit_sel, freed, admit_ids
         return plan
 
 

@@ -8,9 +8,12 @@ calls; everything that concerns a single table lives here, in :class:`TableCache
   the id->slot map on the device, and the host-side :class:`SlotDirectory` that decides hits,
   admissions and evictions;
 * staging a lookup: the batch's misses are gathered on the host into a staging buffer and copied
-  with the packed index vectors in one upload (:class:`PendingRows`);
-* finishing it on the device: hits read from their slots, misses from the staged rows, dirty
-  evicted rows written home before admissions reuse their slots, and the id->slot map updated;
+  with the packed index vectors in one upload (:class:`PendingRows`); everything the device needs
+  is worked out here, from the ids and the plan, on the thread that stages;
+* finishing it on the device in a few launches and no wait for the host: hits read from their
+  slots, misses from the staged rows, dirty evicted rows written home before admissions reuse
+  their slots, admissions copied from one slice of the staged rows, and the id->slot map updated
+  with one copy;
 * writes of a read-write table: to the slot of a resident row (marked dirty), straight to the
   host for the others, and the write-back of dirty rows at a flush;
 * :class:`CacheCounters`, what the table's cache did.
@@ -26,8 +29,9 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, fields
-from typing import Deque, List, Optional, Sequence, Union
+from typing import Deque, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 from fastopt.errors import CacheError
@@ -36,7 +40,7 @@ from fastopt.runtime.cache_policy import AccessPlan, SlotDirectory, make_policy
 from fastopt.runtime.staging import HostGatherer, StagingBuffers, TransferStream
 
 __all__ = ["CacheTable", "UniqueRows", "PendingRows", "CacheCounters", "TableCache", "Ids",
-           "check_table"]
+           "check_table", "pack_index", "unpack_index", "admitted_first"]
 
 Ids = Union[torch.Tensor, Unique, Sequence[int]]
 
@@ -129,9 +133,15 @@ class PendingRows:
     ids: torch.Tensor
     pad: int  # 1 when ids[0] is the padding id -1
     plan: AccessPlan
-    device_index: List[torch.Tensor]  # packed index tensors, on the device
-    staged: torch.Tensor  # [misses, *row] on the device (on the CPU: the staging buffer)
+    # on the device, views of one upload: the batch's inverse; the slot each row is read from
+    # (empty without hits); where each staged row goes; the admitted misses' slots; the ids whose
+    # id->slot map entry changes and the new entries (int32); the dirty slots written home
+    device_index: List[torch.Tensor]
+    # [pad + misses, *row] on the device (on the CPU: the staging buffer): the padding row (zeros),
+    # the admitted misses, then the others
+    staged: torch.Tensor
     event: Optional[torch.cuda.Event] = None
+    dirty_ids: Optional[torch.Tensor] = None  # ids of the dirty slots, on the host
 
 
 class TableCache:
@@ -211,14 +221,14 @@ class TableCache:
                 bad = lo if lo < -1 else hi
                 raise CacheError(f"row id {bad} of table {self.name!r} is outside [-1, "
                                  f"{self.num_rows}) (-1 = padding); pass ids of this table's rows")
-        pad = int(values.numel() > 0 and int(values[0]) == -1)
-        return values, inverse, pad
+            return values, inverse, int(lo == -1)
+        return values, inverse, 0
 
     def requested(self, inverse: torch.Tensor, pad: int) -> int:
         """Valid (non-padding) entries of the batch before dedup."""
         if not pad:
             return inverse.numel()
-        return int((inverse != 0).sum())
+        return int(np.count_nonzero(inverse.numpy()))
 
     # ---------------------------------------------------------------- lookups
 
@@ -226,8 +236,11 @@ class TableCache:
               transfer: TransferStream) -> PendingRows:
         """Plan a lookup of ``unique_of``'s result, gather its misses and start their copy.
 
-        The index vectors the device needs (the batch's inverse, hits, misses, admissions,
-        evictions, dirty slots) travel packed in one upload with the staged rows.
+        Everything :meth:`finish` needs is derived here on the host, so that it only launches
+        copies: the staged rows lead with a zero row for the padding and the admitted misses (the
+        slot array takes one slice of them), and the index vectors (the batch's inverse, the slot
+        each row is read from, the staged rows' positions, the admissions' slots, the id->slot
+        map's new entries, the dirty slots) travel packed in one upload with the staged rows.
         """
         real = values[pad:]
         plan = self.directory.access(real)
@@ -240,59 +253,80 @@ class TableCache:
         c.naive_bytes += requested * self.row_bytes
         c.lookups += real.numel()
         c.dedup_bytes += real.numel() * self.row_bytes
-        m = plan.miss_pos.numel()
-        c.hits += plan.hit_pos.numel()
+        h, m = plan.hit_pos.numel(), plan.miss_pos.numel()
+        c.hits += h
         c.misses += m
         c.rows_h2d += m
         c.bytes_h2d += m * self.row_bytes
         c.evictions += plan.evict_ids.numel()
-        turn, buf = self.staging.acquire(m)
-        c.staging_seconds += self.gatherer.gather(self.host, real.index_select(0, plan.miss_pos), buf)
-        admit_ids = real.index_select(0, plan.miss_pos.index_select(0, plan.admit_sel))
-        dirty_slots = plan.evict_slots[plan.evict_dirty]
-        parts = [inverse.reshape(-1).long(), plan.hit_pos + pad, plan.hit_slots, plan.miss_pos + pad,
-                 plan.admit_sel, plan.admit_slots, plan.evict_ids, admit_ids, dirty_slots]
-        packed = torch.cat(parts)
-        if transfer.is_cuda:
-            packed = packed.pin_memory()
+        miss_pos = plan.miss_pos.numpy()[admitted_first(plan.admit_sel.numpy(), m)]
+        turn, buf = self.staging.acquire(pad + m)
+        if pad:
+            buf[0].zero_()
+        c.staging_seconds += self.gatherer.gather(
+            self.host, torch.from_numpy(real.numpy()[miss_pos]), buf[pad:])
+        # Rows are read from slots whole (a miss from the first hit's slot, then overwritten): one
+        # gather instead of an allocation, a fill and two scatters.
+        src = np.empty(values.numel() if h else 0, dtype=np.int64)
+        if h:
+            hit_slots = plan.hit_slots.numpy()
+            src.fill(hit_slots[0])
+            src[plan.hit_pos.numpy() + pad] = hit_slots
+        dst = np.concatenate([np.zeros(pad, dtype=np.int64), miss_pos + pad])
+        map_ids = np.concatenate([plan.evict_ids.numpy(), plan.admit_ids.numpy()])
+        map_slots = np.concatenate([np.full(plan.evict_ids.numel(), -1, dtype=np.int32),
+                                    plan.admit_slots.numpy().astype(np.int32)])
+        dirty_ids = None
+        dirty_slots = np.empty(0, dtype=np.int64)
+        if self.writable and plan.evict_ids.numel():  # a static table has no dirty rows
+            dirty = plan.evict_dirty.numpy()
+            dirty_slots = plan.evict_slots.numpy()[dirty]
+            dirty_ids = torch.from_numpy(plan.evict_ids.numpy()[dirty])
+        parts = [inverse.reshape(-1).numpy(), src, dst, plan.admit_slots.numpy(), map_ids,
+                 dirty_slots]
+        packed, sizes = pack_index(parts, map_slots, pinned=transfer.is_cuda)
         (dev_packed, staged), event = transfer.upload([packed, buf])
         self.staging.release_after(turn, event)
-        device_index = list(torch.split(dev_packed, [p.numel() for p in parts]))
+        device_index = unpack_index(dev_packed, sizes, map_slots.size)
         device_index[0] = device_index[0].reshape(inverse.shape)
-        pending = PendingRows(self.name, self.seq, values, pad, plan, device_index, staged, event)
+        pending = PendingRows(self.name, self.seq, values, pad, plan, device_index, staged, event,
+                              dirty_ids)
         self.seq += 1
         self.pending.append(pending)
         return pending
 
     def finish(self, pending: PendingRows, transfer: TransferStream) -> UniqueRows:
-        """Serve the oldest staged lookup on the current stream and apply its plan to the slots."""
+        """Serve the oldest staged lookup on the current stream and apply its plan to the slots.
+
+        On the device: a gather and a scatter for the rows, one copy for the admissions and one
+        for the id->slot map; only the write-back of dirty rows (read-write tables) waits for it.
+        """
         if not self.pending or self.pending[0] is not pending:
             raise CacheError(f"staged lookups of table {pending.table!r} must finish in the order "
                              f"staged; lookup {pending.seq} is not the oldest outstanding one")
         self.pending.popleft()
-        index, hit_pos, hit_slots, miss_pos, admit_sel, admit_slots, evict_ids, admit_ids, dirty_slots = (
-            pending.device_index)
+        index, src, dst, admit_slots, map_ids, dirty_slots, map_slots = pending.device_index
         staged = pending.staged
+        # index is a view of the whole upload: recording it keeps every index vector alive
         transfer.consume([staged, index], pending.event)
-        rows = torch.empty((pending.ids.numel(),) + self.row_shape, dtype=self.dtype,
-                           device=self.device)
-        if pending.pad:
-            rows[0].zero_()
-        if hit_pos.numel():
-            rows.index_copy_(0, hit_pos, self.slots.index_select(0, hit_slots))
-        if miss_pos.numel():
-            rows.index_copy_(0, miss_pos, staged)
-        plan = pending.plan
+        if src.numel():
+            # Hits are read before any admission overwrites a slot.
+            rows = self.slots.index_select(0, src)
+        else:
+            rows = torch.empty((pending.ids.numel(),) + self.row_shape, dtype=self.dtype,
+                               device=self.device)
+        if dst.numel():
+            rows.index_copy_(0, dst, staged)
         if dirty_slots.numel():
             # A dirty row goes home before an admission reuses its slot.
-            self.write_host(plan.evict_ids[plan.evict_dirty], self.slots.index_select(0, dirty_slots))
+            self.write_host(pending.dirty_ids, self.slots.index_select(0, dirty_slots))
             self.counters.writebacks += dirty_slots.numel()
-        if admit_slots.numel():
-            self.slots.index_copy_(0, admit_slots, staged.index_select(0, admit_sel))
-        if evict_ids.numel():
-            self.slot_map.index_fill_(0, evict_ids, -1)
-        if admit_ids.numel():
-            self.slot_map.index_copy_(0, admit_ids, admit_slots.to(torch.int32))
+        a = admit_slots.numel()
+        if a:
+            self.slots.index_copy_(0, admit_slots, staged[pending.pad:pending.pad + a])
+        if map_ids.numel():
+            # Evicted ids (-1) and admitted ones (their slots) are disjoint: one copy sets both.
+            self.slot_map.index_copy_(0, map_ids, map_slots)
         if self.is_1d:
             rows = rows.reshape(-1)
         return UniqueRows(pending.ids, rows, index)
@@ -408,3 +442,38 @@ def check_table(name: str, spec: CacheTable) -> None:
     if spec.mapped and not data.is_contiguous():
         raise CacheError(f"table {name!r} is declared mapped=True but is not contiguous (strides "
                          f"{tuple(data.stride())}); pass the mapping itself, not a strided view")
+
+
+def admitted_first(admit_sel: np.ndarray, m: int) -> np.ndarray:
+    """The order of ``m`` misses that puts the admitted ones (``admit_sel``, ascending) first and
+    keeps the order within each group."""
+    if admit_sel.size in (0, m):  # all admitted positions are 0..m-1 in order, or none is
+        return np.arange(m)
+    bypass = np.ones(m, dtype=bool)
+    bypass[admit_sel] = False
+    return np.concatenate([admit_sel, np.flatnonzero(bypass)])
+
+
+def pack_index(parts: Sequence[np.ndarray], tail32: np.ndarray, pinned: bool,
+               ) -> Tuple[torch.Tensor, List[int]]:
+    """Integer vectors in one int64 host buffer (pinned for an asynchronous upload): ``parts``
+    one after another, then ``tail32`` as int32, two to a word; returns it and the parts' sizes."""
+    sizes = [int(p.size) for p in parts]
+    total = sum(sizes)
+    packed = torch.empty(total + (tail32.size + 1) // 2, dtype=torch.int64, pin_memory=pinned)
+    out = packed.numpy()
+    start = 0
+    for p, n in zip(parts, sizes):
+        out[start:start + n] = p.reshape(-1)
+        start += n
+    out[total:].view(np.int32)[:tail32.size] = tail32
+    return packed, sizes
+
+
+def unpack_index(packed: torch.Tensor, sizes: Sequence[int], tail32: int) -> List[torch.Tensor]:
+    """:func:`pack_index`'s vectors as views of ``packed`` (on any device): the parts, then the
+    int32 tail."""
+    total = sum(sizes)
+    out = list(torch.split(packed[:total], list(sizes)))
+    out.append(packed[total:].view(torch.int32)[:tail32])
+    return out

@@ -17,6 +17,7 @@ from fastopt.config import CacheConfig
 from fastopt.errors import CacheError, FastOptError
 from fastopt.runtime import CacheTable, SlimCache, Unique, belady_optimum
 from fastopt.runtime.staging import HostGatherer
+from fastopt.runtime.table_cache import admitted_first, pack_index, unpack_index
 
 POLICIES = ["static", "lru", "future", "auto"]
 # Fractions of the tables' bytes: nothing, a few rows, part, everything.
@@ -513,3 +514,21 @@ def test_a_mapped_table_must_be_static_and_contiguous():
         SlimCache({"edge": CacheTable(edge, writable=True, mapped=True)})
     with pytest.raises(CacheError, match=r"not contiguous.*strided view"):
         SlimCache({"edge": CacheTable(edge.t(), mapped=True)})
+
+
+@pytest.mark.parametrize("admit,m,order", [([], 4, [0, 1, 2, 3]), ([0, 1, 2], 3, [0, 1, 2]),
+                                           ([1, 3], 5, [1, 3, 0, 2, 4]), ([], 0, [])])
+def test_admitted_misses_are_staged_first_in_order(admit, m, order):
+    got = admitted_first(np.array(admit, dtype=np.int64), m)
+    assert got.tolist() == order
+
+
+@pytest.mark.parametrize("tail", [[], [-1], [-1, 7, 2**31 - 1]])
+def test_index_vectors_travel_packed_in_one_int64_buffer(tail):
+    parts = [np.array([3, -1, 5]), np.empty(0, dtype=np.int64), np.array([[2**40], [0]])]
+    packed, sizes = pack_index(parts, np.array(tail, dtype=np.int32), pinned=False)
+    assert packed.dtype == torch.int64 and sizes == [3, 0, 2]
+    *got, got32 = unpack_index(packed, sizes, len(tail))
+    for p, g in zip(parts, got, strict=True):
+        assert g.tolist() == p.reshape(-1).tolist()
+    assert got32.dtype == torch.int32 and got32.tolist() == tail
