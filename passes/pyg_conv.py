@@ -23,7 +23,7 @@ draws as the layer does: torch's dropout of an ``[E, H]`` tensor, the shape and 
 layer's draw, scales each edge's values (``sum_e (p_e m_e) v_e = sum_e p_e (m_e v_e)``), so a
 trained copy takes the layer's masks and follows its trajectory up to rounding.
 ``TransformerConv`` (one node set) reads its slot count back, then runs the rest on nodes and
-edges padded to :func:`_bucket` sizes through a :class:`_TransformerCore` whose
+edges padded to :func:`fastopt.runtime.bucket` sizes through a :class:`_TransformerCore` whose
 :class:`~fastopt.runtime.GraphRunner` replays one CUDA graph pair per padded size: at a PyG
 example's sizes the layer's ~70 launches cost more host time than its kernels take. As the fx
 rewrites do, on the CPU with ``kernels.backend="auto"`` the layer runs its own code (faster there
@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from fastopt import codegen
 from fastopt.config import default_config
 from fastopt.passes.module_rewrite import ModuleReplacement, ModuleRewrite, shared_copy
-from fastopt.runtime import GraphCapture, GraphRunner
+from fastopt.runtime import GraphCapture, GraphRunner, bucket
 
 __all__ = ["FuseTransformerConv", "FuseGatConv", "FuseGatv2Conv", "pyg_conv_classes"]
 
@@ -217,9 +217,9 @@ def transformer_conv(layer: nn.Module, x, edge_index: Tensor, edge_attr: Optiona
 
     The dropout mask is drawn first, as the layer draws it. Then, for one node set (not
     bipartite), the slot count is read back (with the index checks) and the rest runs on inputs
-    padded to :func:`_bucket` sizes (padding edges reach no destination) through the layer's
-    :class:`_TransformerCore` and its CUDA-graph runner: calls of similar size replay one graph
-    pair. Bipartite calls, and degrees too skewed for the slot layout, run unpadded."""
+    padded to :func:`fastopt.runtime.bucket` sizes (padding edges reach no destination) through
+    the layer's :class:`_TransformerCore` and its CUDA-graph runner: calls of similar size replay
+    one graph pair. Bipartite calls, and degrees too skewed for the slot layout, run unpadded."""
     src, dst = edge_index[0], edge_index[1]
     mask = _dropout_mask(layer, x if isinstance(x, Tensor) else x[1], src.numel())
     if isinstance(x, Tensor) and src.numel():
@@ -231,20 +231,14 @@ def transformer_conv(layer: nn.Module, x, edge_index: Tensor, edge_attr: Optiona
     return transformer_edges(layer, x_src, x_dst, src, dst, edge_attr, mask)
 
 
-def _bucket(n: int) -> int:
-    """``n`` rounded up to one of four sizes per power of two (at most a third more): the padded
-    lengths that calls of similar size share, so that they share CUDA graphs."""
-    step = 1 << max(0, n.bit_length() - 3)
-    return -(-n // step) * step
-
-
 def _padded_call(layer: nn.Module, x: Tensor, src: Tensor, dst: Tensor,
                  edge_attr: Optional[Tensor], mask: Optional[Tensor], slots: int) -> Tensor:
     """The layer's core on nodes and edges padded to bucket sizes; the real rows of its output.
     Padding nodes are zero rows; padding edges read node 0 and point at destination ``N`` (one
     past the last), which leaves them out of every softmax: they change no value or gradient."""
     rows, edges = x.shape[0], src.numel()
-    padded_rows, extra = _bucket(rows), _bucket(edges) - edges
+    # the loader's sizes: four per power of two, so that calls of similar size share graphs
+    padded_rows, extra = bucket(rows, 1), bucket(edges, 1) - edges
     args = (F.pad(x, (0, 0, 0, padded_rows - rows)), F.pad(src, (0, extra)),
             F.pad(dst, (0, extra), value=padded_rows),
             None if edge_attr is None else F.pad(edge_attr, (0, 0, 0, extra)),

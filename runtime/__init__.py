@@ -8,7 +8,7 @@ Layering: this package imports nothing of fastopt but :mod:`fastopt.config` and
 """
 
 from fastopt.runtime.blocks import SampledBatch, TemporalBlock, Unique
-from fastopt.runtime.inputs import GraphInputs
+from fastopt.runtime.inputs import GraphInputs, bucket
 from fastopt.runtime.sampler import OPENMP, TemporalSampler
 from fastopt.runtime.cache_policy import BeladyResult, belady_optimum
 from fastopt.runtime.slimcache import CacheCounters, CacheTable, PendingRows, SlimCache, UniqueRows
@@ -19,4 +19,4 @@ from fastopt.runtime.last_neighbors import LastNeighborLoader
 __all__ = ["SampledBatch", "TemporalBlock", "Unique", "SlimCache", "CacheTable", "UniqueRows",
            "PendingRows", "CacheCounters", "BeladyResult", "belady_optimum", "TemporalSampler", "OPENMP",
            "GraphInputs", "EventBatch", "Loader", "NegativeSampler", "StageTimer", "GraphCapture",
-           "GraphRunner", "attach_graph_runners", "capturing", "LastNeighborLoader"]
+           "GraphRunner", "attach_graph_runners", "capturing", "LastNeighborLoader", "bucket"]

@@ -276,9 +276,9 @@ def test_transformer_conv_pads_to_shared_bucket_sizes(reference_backend):
     """The fused TransformerConv runs its per-call work on inputs padded to bucket sizes (what
     its CUDA graphs are keyed by) through a core that shares the layer's projections; the report
     lists that core's graph record, and a copy of the layer gets its own core."""
-    from fastopt.passes import pyg_conv
+    from fastopt.runtime import bucket
 
-    assert [pyg_conv._bucket(n) for n in (1, 7, 8, 9, 60, 1800, 5525)] == [1, 7, 8, 10, 64, 2048, 6144]
+    assert [bucket(n, 1) for n in (1, 7, 8, 9, 60, 1800, 5525)] == [1, 7, 8, 10, 64, 2048, 6144]
     layer = LAYERS["transformer"]().eval()
     fast = fastopt.optimize(copy.deepcopy(layer))
     seen = []
