@@ -249,10 +249,14 @@ class SlotDirectory:
         """Mark every resident's next use unknown (a new epoch's batches are not announced yet)."""
         self.next_use.fill_(NEVER)
 
-    def access(self, values: torch.Tensor) -> AccessPlan:
-        """Look up one batch's sorted unique ids and decide admissions and evictions."""
+    def access(self, values: torch.Tensor, announced: bool = True) -> AccessPlan:
+        """Look up one batch's sorted unique ids and decide admissions and evictions.
+
+        ``announced=False``: a lookup outside the announced sequence (the future policy's
+        numbering is left alone); hits keep their next use and admitted misses get none.
+        """
         t, self.batch = self.batch, self.batch + 1
-        next_use = self.policy.next_use(values)
+        next_use = self.policy.next_use(values) if announced else None
         if self.capacity == 0:
             return AccessPlan.none(values.numel())
         slots = self.slot_of.index_select(0, values).long()
@@ -261,7 +265,10 @@ class SlotDirectory:
         miss_pos = torch.nonzero(~hit).flatten()
         # Gathers by the positions just found rather than by the mask: a mask index searches it again.
         hit_slots = slots.index_select(0, hit_pos)
-        self.next_use.index_copy_(0, hit_slots, next_use.index_select(0, hit_pos))
+        if next_use is None:
+            next_use = torch.full_like(values, NEVER)
+        else:
+            self.next_use.index_copy_(0, hit_slots, next_use.index_select(0, hit_pos))
         self.last_use.index_fill_(0, hit_slots, t)
         plan = AccessPlan(hit_pos, hit_slots, miss_pos, _EMPTY, _EMPTY, _EMPTY, _EMPTY,
                           torch.empty(0, dtype=torch.bool))

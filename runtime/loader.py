@@ -64,6 +64,9 @@ __all__ = ["EventBatch", "Loader", "NegativeSampler", "StageTimer", "SPLIT_IDS"]
 SPLIT_IDS = {"train": 0, "val": 1, "test": 2}
 # Seconds between checks of the stop flag while the producer waits for room in the queue.
 _POLL = 0.05
+# Staged lookups SlimCache keeps per table (slimcache._MAX_PENDING): batches staged ahead of the
+# consumer with the cache on.
+_CACHE_STAGED = 2
 
 
 class NegativeSampler:
@@ -103,6 +106,7 @@ class EventBatch:
     sampled: Optional[SampledBatch] = None
     inputs: Optional[GraphInputs] = None
     event_feat: Optional[torch.Tensor] = None
+    announced: bool = False  # its cached ids were announced to SlimCache (_CachePlanner)
 
     @property
     def size(self) -> int:
@@ -265,9 +269,9 @@ class Loader:
         return self._padded(torch.from_numpy(np.maximum(u.values.numpy(), 0)), "edges", batch.sampled.roots.numel())
 
     # ------------------------------------------------------------------------ staging
-    def stage(self, batch: EventBatch, roots: Optional[np.ndarray] = None,
-              times: Optional[np.ndarray] = None) -> _Staged:
-        """Sample ``batch`` and start moving everything it needs to the device (any thread)."""
+    def sample(self, batch: EventBatch, roots: Optional[np.ndarray] = None,
+               times: Optional[np.ndarray] = None) -> Optional[SampledBatch]:
+        """Sample ``batch``'s neighborhoods into ``batch.sampled`` (None without a sampler)."""
         roots = batch.roots if roots is None else roots
         times = batch.times if times is None else times
         sampled = None
@@ -277,6 +281,23 @@ class Loader:
             else:
                 sampled = self.sampler.sample(roots, times)
         batch.sampled = sampled
+        return sampled
+
+    def cache_ids(self, batch: EventBatch) -> Optional[Dict[str, Unique]]:
+        """The ids per cached table that staging the sampled ``batch`` looks up in SlimCache
+        (None when it looks up none): what the future policy is told ahead."""
+        sampled = batch.sampled
+        if self.cache is None or sampled is None or not sampled.blocks:
+            return None
+        return {"edge": sampled.unique_eids}
+
+    def stage(self, batch: EventBatch, roots: Optional[np.ndarray] = None,
+              times: Optional[np.ndarray] = None) -> _Staged:
+        """Sample ``batch`` (unless :meth:`sample` already did) and start moving everything it
+        needs to the device (any thread)."""
+        roots = batch.roots if roots is None else roots
+        times = batch.times if times is None else times
+        sampled = batch.sampled if batch.sampled is not None else self.sample(batch, roots, times)
         blocks = sampled.blocks if sampled is not None else []
         ints: Dict[str, torch.Tensor] = {"roots": torch.from_numpy(np.ascontiguousarray(roots, dtype=np.int64))}
         floats64: Dict[str, torch.Tensor] = {"times": torch.from_numpy(np.ascontiguousarray(times, dtype=np.float64))}
@@ -319,7 +340,8 @@ class Loader:
             rows = {"event_rows": self.edge_table[batch.start:batch.stop]}
             if blocks:
                 if self.cache is not None:
-                    staged.pending = self.cache.stage("edge", unique=batch.sampled.unique_eids)
+                    staged.pending = self.cache.stage("edge", unique=batch.sampled.unique_eids,
+                                                      announced=batch.announced)
                 elif self.dedup and (ids := self._unique_edge_ids(batch, ints)) is not None:
                     rows["edge_rows"] = self._gather_host(self.edge_table, ids)
                 else:
@@ -483,6 +505,45 @@ def _sets(t: Dict[str, torch.Tensor], layers: int) -> List[torch.Tensor]:
     return [t["roots"]] + [t[f"set{i + 1}"] for i in range(layers)]
 
 
+class _CachePlanner:
+    """Samples an epoch's batches ahead of staging and announces each one's cached ids to
+    SlimCache before the batch is staged (the ``future`` policy's lookahead).
+
+    :meth:`take` returns batch ``i``, sampled, once batches ``i .. i + lookahead`` have been
+    sampled and announced, so the policy knows every row's next use within that window and
+    orders the rows beyond it by recency. The first call plans the cache with the first window:
+    on the cache's first epoch that also fixes the budget split and ``auto``'s choice, from the
+    leading ``cache.sample_fraction`` of the window. Sampling ahead keeps the batches' order, so
+    the draws and the lookups are those of a loader that does not look ahead.
+    """
+
+    def __init__(self, loader: Loader, plan: List[Optional[EventBatch]], lookahead: int) -> None:
+        self.loader, self.plan, self.lookahead = loader, plan, max(0, lookahead)
+        self.sampled = 0  # batches sampled (and announced) so far
+        self.planned = False
+
+    def take(self, i: int) -> EventBatch:
+        end = min(i + self.lookahead + 1, len(self.plan))
+        fresh = []
+        while self.sampled < end:
+            batch = self.plan[self.sampled]
+            self.loader.sample(batch)
+            ids = self.loader.cache_ids(batch)
+            if ids is not None:
+                fresh.append(ids)
+                batch.announced = True
+            self.sampled += 1
+        if not self.planned:
+            self.loader.cache.plan(fresh)  # a new epoch of the future policy
+            self.planned = True
+        else:
+            for ids in fresh:
+                self.loader.cache.announce(ids)
+        # the plan lets go of a batch once it is staged (see EpochStream._produce)
+        batch, self.plan[i] = self.plan[i], None
+        return batch
+
+
 class EpochStream:
     """Staged batches of one pass, produced ahead on background threads when the pipeline asks.
 
@@ -491,9 +552,15 @@ class EpochStream:
     time, but a batch's packing and copies overlap the next one's sampling. Uniform draws are
     keyed by the batch, so the batches are the same for any number of threads.
 
+    With SlimCache one thread stages the batches in order, at most two of them ahead of the
+    consumer (the cache's limit of staged lookups), and batches are sampled
+    ``pipeline.prefetch_depth`` further ahead than they are staged, their cached ids announced to
+    the cache's ``future`` policy (:class:`_CachePlanner`; 0 without ``pipeline.async_sampling``).
+
     Use as ``with loader.epoch(...) as batches: for batch in batches: ...``; leaving the block
-    stops and joins the producer. The time the consumer waits for a batch is the ``sample``
-    stage; making a staged batch usable on the compute stream is ``gather``.
+    stops and joins the producer (and finishes the cache lookups of batches staged but never
+    consumed). The time the consumer waits for a batch is the ``sample`` stage; making a staged
+    batch usable on the compute stream is ``gather``.
     """
 
     def __init__(self, loader: Loader, batches: Iterator[EventBatch], timer: StageTimer) -> None:
@@ -504,9 +571,16 @@ class EpochStream:
         # 0 = 2 on CUDA, 1 on the CPU: there a batch has no copies to overlap with the next one's
         # sampling (which runs one call at a time), and a second thread would take a core from the step
         workers = pipe.stage_threads or (2 if loader.cuda else 1)
+        self._lookahead = 0
+        self._room: Optional[threading.Semaphore] = None
+        self._planner: Optional[_CachePlanner] = None
         if loader.cache is not None:
+            self._lookahead = depth  # batches sampled and announced beyond the one staged
             depth = min(depth, 1)  # SlimCache keeps at most two staged lookups per table
             workers = 1  # and its lookups go in batch order
+            # staged batches not yet finished by the consumer: SlimCache's limit, and the staging
+            # buffer of the oldest one is refilled only once it is finished
+            self._room = threading.Semaphore(_CACHE_STAGED)
         if loader.sampler is not None and not loader.keyed:
             workers = 1  # draws keyed by the order of calls: one thread keeps them reproducible
         self.depth = depth
@@ -520,6 +594,8 @@ class EpochStream:
         if self.depth > 0:
             self._plan = list(self._batches)
             self._count = len(self._plan)
+            if self._room is not None:
+                self._planner = _CachePlanner(self.loader, self._plan, self._lookahead)
             for w in range(self.workers):
                 thread = threading.Thread(target=self._produce, args=(w, self._queues[w]),
                                           name=f"fastopt-loader-{w}", daemon=True)
@@ -542,20 +618,34 @@ class EpochStream:
                     pass
                 thread.join(timeout=_POLL)
         self._threads = []
+        if self.loader.cache is not None:  # batches staged but never consumed
+            self.loader.cache.drain()
 
     def _produce(self, worker: int, q: "queue.Queue") -> None:
         try:
             for i in range(worker, self._count, self.workers):
                 if self._stop.is_set():
                     return
-                # the plan lets go of a batch once it is staged: a staged batch holds its inputs on
-                # the device, which must be freed when the consumer is done with it, not at the
-                # end of the epoch
-                batch, self._plan[i] = self._plan[i], None
+                if self._planner is not None:
+                    batch = self._planner.take(i)
+                    if not self._wait_for_room():
+                        return
+                else:
+                    # the plan lets go of a batch once it is staged: a staged batch holds its
+                    # inputs on the device, which must be freed when the consumer is done with
+                    # it, not at the end of the epoch
+                    batch, self._plan[i] = self._plan[i], None
                 self._put(q, self.loader.stage(batch))
                 del batch
         except BaseException as exc:  # handed to the consumer, raised there
             self._put(q, _Failure(exc))
+
+    def _wait_for_room(self) -> bool:
+        """Wait until fewer than two staged batches await the consumer; False once stopped."""
+        while not self._stop.is_set():
+            if self._room.acquire(timeout=_POLL):
+                return True
+        return False
 
     def _put(self, q: "queue.Queue", item) -> None:
         while not self._stop.is_set():
@@ -567,9 +657,14 @@ class EpochStream:
 
     def __iter__(self) -> Iterator[EventBatch]:
         if self.depth == 0:
-            for batch in self._batches:
+            planner = None
+            if self.loader.cache is not None:
+                plan = list(self._batches)
+                planner = _CachePlanner(self.loader, plan, self._lookahead)
+                self._batches = iter(plan)  # taken by the planner, in order
+            for i, batch in enumerate(self._batches):
                 with self.timer("sample", host=True):
-                    staged = self.loader.stage(batch)
+                    staged = self.loader.stage(batch if planner is None else planner.take(i))
                 with self.timer("gather", host=True):
                     yield self.loader.finish(staged)
             return
@@ -582,4 +677,6 @@ class EpochStream:
                 raise item.exc
             with self.timer("gather", host=True):
                 batch = self.loader.finish(item)
+            if self._room is not None:
+                self._room.release()
             yield batch

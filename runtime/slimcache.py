@@ -241,31 +241,50 @@ class SlimCache:
     # ---------------------------------------------------------------- lookups
 
     def lookup(self, table: str, ids: Optional[Ids] = None, *, unique: Optional[Unique] = None,
-               ) -> UniqueRows:
-        """Rows of ``ids`` (any shape; -1 = padding) as a unique-row table and an index."""
+               announced: bool = True) -> UniqueRows:
+        """Rows of ``ids`` (any shape; -1 = padding) as a unique-row table and an index.
+
+        ``announced=False`` marks a lookup outside the announced batches (an ad-hoc one between
+        or during epochs): the ``future`` policy does not count it as the next announced batch,
+        its hits keep their known next use and its admitted misses get none.
+        """
         with self._lock:
-            return self._finish(self._stage(table, ids, unique))
+            return self._finish(self._stage(table, ids, unique, announced))
 
     def stage(self, table: str, ids: Optional[Ids] = None, *, unique: Optional[Unique] = None,
-              ) -> PendingRows:
+              announced: bool = True) -> PendingRows:
         """Start a lookup of a static table: gather misses and start their copy; finish it later.
 
         At most two lookups of a table may be staged ahead; they finish in the order staged.
         Read-write tables cannot be staged, since the previous step may still write them.
+        ``announced`` as in :meth:`lookup`.
         """
         with self._lock:
             if self._table(table).writable:
                 raise CacheError(f"table {table!r} is read-write, so it cannot be staged ahead of "
                                  f"the step that writes it; use lookup()")
-            return self._stage(table, ids, unique)
+            return self._stage(table, ids, unique, announced)
 
     def finish(self, pending: PendingRows) -> UniqueRows:
         """Complete a staged lookup on the current stream (waits only for its own copy)."""
         with self._lock:
             return self._finish(pending)
 
+    def drain(self) -> None:
+        """Finish every staged lookup still outstanding, oldest first, and drop its rows.
+
+        A staged lookup has already changed the cache's bookkeeping; finishing it applies the
+        same change to the device slots. A consumer that abandons staged lookups (an epoch left
+        early) calls this before the cache is used again.
+        """
+        with self._lock:
+            for table in self._tables.values():
+                while table.pending:
+                    self._finish(table.pending[0])
+
     @_memory_guard
-    def _stage(self, name: str, ids: Optional[Ids], unique: Optional[Unique]) -> PendingRows:
+    def _stage(self, name: str, ids: Optional[Ids], unique: Optional[Unique],
+               announced: bool = True) -> PendingRows:
         table = self._table(name)
         if (ids is None) == (unique is None):
             raise CacheError("pass exactly one of ids= or unique= to a lookup")
@@ -274,7 +293,7 @@ class SlimCache:
                              f"(the limit is {_MAX_PENDING}); finish the oldest first")
         self._seal(None)
         values, inverse, pad = table.unique_of(unique if unique is not None else ids)
-        return table.stage(values, inverse, pad, self._transfer)
+        return table.stage(values, inverse, pad, self._transfer, announced)
 
     @_memory_guard
     def _finish(self, pending: PendingRows) -> UniqueRows:

@@ -233,7 +233,7 @@ class TableCache:
     # ---------------------------------------------------------------- lookups
 
     def stage(self, values: torch.Tensor, inverse: torch.Tensor, pad: int,
-              transfer: TransferStream) -> PendingRows:
+              transfer: TransferStream, announced: bool = True) -> PendingRows:
         """Plan a lookup of ``unique_of``'s result, gather its misses and start their copy.
 
         Everything :meth:`finish` needs is derived here on the host, so that it only launches
@@ -241,9 +241,11 @@ class TableCache:
         slot array takes one slice of them), and the index vectors (the batch's inverse, the slot
         each row is read from, the staged rows' positions, the admissions' slots, the id->slot
         map's new entries, the dirty slots) travel packed in one upload with the staged rows.
+        ``announced=False``: a lookup the future policy was not told of
+        (:meth:`~fastopt.runtime.cache_policy.SlotDirectory.access`).
         """
         real = values[pad:]
-        plan = self.directory.access(real)
+        plan = self.directory.access(real, announced)
         if self.recorded is not None:
             self.recorded.append(real)
         c = self.counters

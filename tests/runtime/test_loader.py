@@ -1,6 +1,7 @@
 """The loader: same batches and features on every path, unique nodes, clean stops, dense user models."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -376,3 +377,96 @@ def test_tgn_learns_on_a_small_real_graph(shared_data):
                 config(train__batch_size=200, train__lr=1e-3, train__mrr_negatives=0), progress=False)
     t.fit(3)
     assert t.test_metrics["ap"] > 0.75
+
+
+def cached_loader(graph, policy="auto", depth=2, async_sampling=True, budget=0.2):
+    """A host-placement loader through SlimCache on the CPU (the loader builds it on CUDA only;
+    on the CPU the same cache runs without copies)."""
+    from fastopt.runtime import CacheTable, SlimCache
+
+    cfg = config(cache__placement="host", cache__policy=policy, cache__budget_fraction=budget,
+                 pipeline__prefetch_depth=depth, pipeline__async_sampling=async_sampling)
+    loader = Loader(graph, NumpySampler(graph, [3, 2], "uniform", seed=5), torch.device("cpu"), cfg)
+    assert loader.cache is None
+    loader.cache = SlimCache({"edge": CacheTable(loader.edge_table)}, "cpu", cfg.cache, record=True)
+    return loader
+
+
+def run_epochs(loader, epochs=2):
+    out = []
+    for epoch in range(epochs):
+        loader.sampler.reset(epoch)
+        with loader.epoch("train", epoch) as batches:
+            out.append([(b.inputs.edge_feat, b.inputs.mask) for b in batches])
+    return out
+
+
+@pytest.mark.parametrize("policy,depth,async_sampling", [("lru", 2, True), ("future", 2, True),
+                                                         ("auto", 2, True), ("future", 0, False),
+                                                         ("future", 8, True), ("static", 2, True)])
+def test_cached_loader_serves_the_uncached_rows_bitwise(small_graph, policy, depth, async_sampling):
+    """Whatever the policy and lookahead, the cache only decides what stays on the device: every
+    valid slot's features are the uncached path's, bit for bit, and the lookups are the same."""
+    plain = Loader(small_graph, NumpySampler(small_graph, [3, 2], "uniform", seed=5), torch.device("cpu"),
+                   config(cache__placement="host"))
+    want = run_epochs(plain)
+    loader = cached_loader(small_graph, policy, depth, async_sampling)
+    got = run_epochs(loader)
+    assert len(got) == len(want) and all(len(g) == len(w) for g, w in zip(got, want))
+    for g_epoch, w_epoch in zip(got, want):
+        for (g_feat, g_mask), (w_feat, w_mask) in zip(g_epoch, w_epoch):
+            for gf, wf, gm, wm in zip(g_feat, w_feat, g_mask, w_mask, strict=True):
+                assert torch.equal(gm, wm) and gf.shape == wf.shape
+                assert torch.equal(gf[gm], wf[wm])
+    expected = {"auto": "future"}.get(policy, policy)  # auto: chosen on the first window
+    assert loader.cache.policy("edge") == expected
+    c = loader.cache.counters("edge")
+    assert c.batches == sum(len(e) for e in want)
+    assert c.hits <= c.lookups - loader.cache.optimum("edge").misses  # never above Belady
+
+
+def test_loader_feeds_the_future_policy_ahead(small_graph):
+    """With the batches sampled ahead announced, the future policy moves fewer rows than LRU and,
+    looking ahead far enough, reaches the offline optimum of the epoch."""
+    moved = {}
+    for name, policy, depth in [("lru", "lru", 2), ("future", "future", 2), ("far", "future", 1000)]:
+        loader = cached_loader(small_graph, policy, depth)
+        run_epochs(loader, epochs=1)
+        c = loader.cache.counters("edge")
+        moved[name] = c.misses
+        if name == "far":
+            assert c.misses == loader.cache.optimum("edge").misses
+    assert moved["far"] <= moved["future"] < moved["lru"]
+
+
+@pytest.mark.parametrize("depth,async_sampling", [(2, True), (0, False)])
+def test_an_epoch_left_early_leaves_the_cached_loader_usable(small_graph, depth, async_sampling):
+    """Batches staged but never consumed have their cache lookups finished when the epoch closes;
+    the next epoch and an ad-hoc lookup (not announced) run under the future policy."""
+    loader = cached_loader(small_graph, "future", depth, async_sampling)
+    reference = run_epochs(cached_loader(small_graph, "future", depth, async_sampling), epochs=1)[0]
+    loader.sampler.reset(0)
+    with loader.epoch("train", 0) as batches:
+        for i, batch in enumerate(batches):
+            if i == 2:
+                if depth:  # let the producer stage the next batches before leaving
+                    deadline = time.monotonic() + 5
+                    while len(loader.cache._tables["edge"].pending) < 2 and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    assert len(loader.cache._tables["edge"].pending) == 2
+                break
+    again = run_epochs(loader, epochs=1)[0]
+    for (g_feat, g_mask), (w_feat, w_mask) in zip(again, reference, strict=True):
+        for gf, wf, gm in zip(g_feat, w_feat, g_mask, strict=True):
+            assert torch.equal(gf[gm], wf[gm])
+    plain = Loader(small_graph, NumpySampler(small_graph, [3, 2], "uniform", seed=5), torch.device("cpu"),
+                   config(cache__placement="host"))
+    batch = next(iter(loader.plan("train", 0)))
+    for l in (loader, plain):
+        l.sampler.reset(1)
+    for _ in range(2):  # twice: the second finds rows the first admitted
+        inputs = loader.inputs_for(batch.roots, batch.times)
+        want = plain.inputs_for(batch.roots, batch.times)
+        for gf, wf, m in zip(inputs.edge_feat, want.edge_feat, want.mask, strict=True):
+            assert torch.equal(gf[m], wf[m])
+    assert loader.cache.counters("edge").hits > 0
