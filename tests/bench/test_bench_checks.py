@@ -25,19 +25,24 @@ def _record(path, **fields):
     Path(path).write_text(json.dumps(fields))
 
 
-def _cpu_optimize_bench(monkeypatch):
-    """bench/optimize.py on the CPU: its own columns and checks, the CUDA-event timing replaced."""
-    script = load("optimize")
+def _on_cpu(monkeypatch, name: str, timer: str, untimed):
+    """bench/<name>.py on the CPU: its own columns and checks, its CUDA timing function ``timer``
+    replaced by ``untimed`` and its record by :func:`_record`."""
+    script = load(name)
+    monkeypatch.setattr(script, "cuda_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(script, timer, untimed)
+    monkeypatch.setattr(script, "write_record", _record)
+    return script
 
+
+def _cpu_optimize_bench(monkeypatch):
+    """bench/optimize.py with the CUDA-event timing replaced by one step per column."""
     def untimed(columns, inputs, warmup, iters, rounds=1, params=()):
         for fn, _ in columns.values():
             fn(inputs).sum().backward()
         return {name: 1.0 for name in columns}
 
-    monkeypatch.setattr(script, "cuda_device", lambda name: torch.device("cpu"))
-    monkeypatch.setattr(script, "_times", untimed)
-    monkeypatch.setattr(script, "write_record", _record)
-    return script
+    return _on_cpu(monkeypatch, "optimize", "_times", untimed)
 
 
 def _optimize_args(tmp_path):
@@ -250,17 +255,12 @@ def test_projections_bench_fails_on_a_wrong_or_failing_variant(monkeypatch, caps
 
 # ---------------------------------------------------------------------------- bench/step_breakdown.py
 def _cpu_step_breakdown(monkeypatch):
-    """bench/step_breakdown.py on the CPU: its check, the CUDA-graph timing replaced by one step."""
-    script = load("step_breakdown")
-
+    """bench/step_breakdown.py with the CUDA-graph timing replaced by one step."""
     def untimed(fast, inputs, warmup, iters):
         fast(inputs).sum().backward()
         return {"step_ms": 1.0}
 
-    monkeypatch.setattr(script, "cuda_device", lambda name: torch.device("cpu"))
-    monkeypatch.setattr(script, "breakdown", untimed)
-    monkeypatch.setattr(script, "write_record", _record)
-    return script
+    return _on_cpu(monkeypatch, "step_breakdown", "breakdown", untimed)
 
 
 def _step_breakdown_args(tmp_path):
@@ -327,3 +327,29 @@ def test_epoch_profile_fails_on_a_non_finite_loss(monkeypatch, wikipedia, capsys
     assert script.main(_EPOCH_ARGS + ["--no-optimize"]) == 1
     out = capsys.readouterr().out
     assert "WRONG RESULT: epoch 0's mean loss is nan" in out and "profiled epoch" not in out
+
+
+# ---------------------------------------------------------------------------- bench/slimcache_loader.py
+def test_slimcache_loader_bench_passes_and_fails_on_wrong_rows(monkeypatch, tmp_path, capsys):
+    """The loader-path cache bench checks every run's served rows against the loader without a
+    cache: equal rows pass; a cache that serves one row wrong fails with status 1."""
+    from fastopt.runtime import table_cache
+
+    script = load("slimcache_loader")
+    monkeypatch.setattr(script, "write_record", _record)
+    argv = ["--streams", "tgn", "--policies", "lru", "--json", str(tmp_path / "loader.json")]
+    assert script.main(argv) == 0
+    (truth, row) = json.loads((tmp_path / "loader.json").read_text())["rows"]
+    assert row["crc"] == truth["crc"] and 0.0 < row["hit_rate"] < 1.0 and row["mb_h2d"] > 0
+    capsys.readouterr()
+
+    real = table_cache.TableCache.finish
+
+    def wrong(self, pending, transfer):
+        out = real(self, pending, transfer)
+        out.rows[-1] += 1.0  # one served row off
+        return out
+
+    monkeypatch.setattr(table_cache.TableCache, "finish", wrong)
+    assert script.main(argv) == 1
+    assert "WRONG RESULT: tgn lru depth 2" in capsys.readouterr().out
