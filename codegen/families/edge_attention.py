@@ -115,6 +115,7 @@ def slot_count(dst: Tensor, num_dst: int, ranged: Sequence[Tuple[str, Tensor, in
     replay: the call with ``slots`` reads nothing back."""
     checks.is_tensor("dst", dst)
     checks.has_ndim("dst", dst, 1, "[E], the destination of each edge")
+    _check_count("num_dst", num_dst, "pass the number of destination nodes")
     if dst.numel() == 0 or num_dst == 0:
         return 1
     counts = torch.zeros(num_dst + 1, dtype=torch.int64, device=dst.device)
@@ -122,6 +123,11 @@ def slot_count(dst: Tensor, num_dst: int, ranged: Sequence[Tuple[str, Tensor, in
     return _slot_count(counts[:num_dst], num_dst, dst.numel(),
                        [("dst", dst, num_dst, "edges must point at a destination row")]
                        + [(name, t, rows, f"the table has {rows} rows") for name, t, rows in ranged])
+
+
+def _check_count(name: str, value, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise KernelError(f"{name} must be an int >= 0 (got {value!r}); {fix}")
 
 
 def _read_back(counts: Tensor, ranged: list) -> int:
@@ -175,6 +181,10 @@ def edge_attention(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, *,
     if edges == 0:
         # zeros that stay connected to q, k and v (zero gradients, as the sum over no edge has)
         return q.new_zeros(q.shape) + (q[:0].sum() + k[:0].sum() + v[:0].sum())
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1
+                              or slots & (slots - 1)):
+        raise KernelError(f"slots must be a power of two >= 1 (got {slots!r}); pass the value of "
+                          f"edge_slot_count(dst, {rows}), or slots=None to read it here")
     indptr, perm = edge_csr(dst, rows)
     if slots is None:
         ranged = [("dst", dst, rows, "q needs one row per destination node")]
@@ -216,9 +226,7 @@ def edge_softmax_aggregate(scores: Tensor, v: Tensor, dst: Tensor, num_dst: int,
     if v.dim() != 3 or v.shape[1] != scores.shape[1]:
         raise KernelError(f"v has shape {tuple(v.shape)} but scores have {scores.shape[1]} heads; "
                           f"pass values [E or U, H={scores.shape[1]}, d]")
-    if isinstance(num_dst, bool) or not isinstance(num_dst, int) or num_dst < 0:
-        raise KernelError(f"num_dst must be an int >= 0 (got {num_dst!r}); pass the number of "
-                          f"destination nodes")
+    _check_count("num_dst", num_dst, "pass the number of destination nodes")
     dim = v.shape[-1]
     keys = F.pad(scores.unsqueeze(-1), (0, dim - 1))
     query = torch.zeros(num_dst, scores.shape[1], dim, dtype=scores.dtype, device=scores.device)

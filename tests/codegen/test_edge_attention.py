@@ -178,3 +178,15 @@ def test_slots_are_the_largest_degree_rounded_to_a_power_of_two(monkeypatch):
         q, k, v = torch.randn(3, 1, 2), torch.randn(degree, 1, 2), torch.randn(degree, 1, 2)
         cg.edge_attention(q, k, v, dst)
     assert seen == [8, 8, 1]
+
+
+def test_slot_count_and_slots_are_checked():
+    dst = torch.tensor([2, 0, 2, 2, 0])
+    assert cg.edge_slot_count(dst, 4) == 4  # largest in-degree 3, rounded up to a power of two
+    with pytest.raises(KernelError, match=r"num_dst must be an int >= 0 \(got -1\)"):
+        cg.edge_slot_count(dst, -1)
+    with pytest.raises(KernelError, match=r"dst holds 2, outside \[0, 2\)"):
+        cg.edge_slot_count(dst, 2)
+    q, k = torch.randn(4, 1, 3), torch.randn(5, 1, 3)
+    with pytest.raises(KernelError, match=r"slots must be a power of two >= 1 \(got 3\)"):
+        cg.edge_attention(q, k, k, dst, slots=3)
