@@ -53,10 +53,13 @@ def run_one(model: str, dataset: str, variant: str, seed: int, epochs: int, extr
            "--seed", str(seed), "--batch-size", "200", "--no-progress"] + VARIANTS[variant] + extra
     proc = subprocess.run(cmd, capture_output=True, text=True)
     head = {"model": model, "dataset": dataset, "variant": variant, "seed": seed, "command": shlex.join(cmd)}
-    print(f"+ {shlex.join(cmd)}  (exit {proc.returncode})", flush=True)
     if proc.returncode != 0:
+        print(f"+ {shlex.join(cmd)}  (exit {proc.returncode})", flush=True)
         return {**head, "error": proc.stderr[-2000:]}
-    return {**head, **json.loads(proc.stdout.strip().splitlines()[-1])}
+    run = {**head, **json.loads(proc.stdout.strip().splitlines()[-1])}
+    # each run's figure as it ends, so that a run cut by a time limit keeps the finished ones
+    print(f"+ {shlex.join(cmd)}  (exit 0, test AP {run['test']['ap']:.4f})", flush=True)
+    return run
 
 
 def summarize(runs: list, max_gap: float) -> tuple:

@@ -13,7 +13,7 @@
 # command may run 10 minutes, so split them over calls. The end-to-end steps: "bench" (fastopt
 # bench for TGAT and TGN, CONTENDERS per model, then each model's fastopt again in a second process
 # for the first epoch with the kernel cache warm; bench.log, bench-*.json), "accuracy"
-# (bench/accuracy.py, 10 epochs x SEEDS, eager, eager-foreach and fastopt; accuracy.{log,json})
+# (bench/accuracy.py, 10 epochs x SEEDS x VARIANTS (eager fastopt); accuracy.{log,json})
 # and "pyg" (bench/pyg_tgn.py; pyg.{log,json}). "tune": fastopt tune for each of TUNE_MODELS
 # (tgn tgat) on each of TUNE_DATASETS (wikipedia; a path for another graph, carried in a git-ignored
 # folder), TRIALS trials (40) in one SQLite file, records to $OUT/records (--max-device-memory
@@ -66,7 +66,7 @@ if [[ " $STEPS " == *" tune "* ]]; then
     grep -E "^(fastopt|fastopt-tuned) |tuned record|no tuning record|best" "$OUT/tune.log"
 fi
 [[ " $STEPS " == *" accuracy "* ]] && FASTOPT_SAMPLER_THREADS=2 timeout "${ACCURACY_S:-300}" python3 bench/accuracy.py \
-    --datasets wikipedia --seeds ${SEEDS:-0 1 2} --variants eager eager-foreach fastopt --jobs "${JOBS:-12}" \
+    --datasets wikipedia --seeds ${SEEDS:-0 1 2} --variants ${VARIANTS:-eager fastopt} --jobs "${JOBS:-12}" \
     --json "$OUT/accuracy.json" -- --batch-size 600 --edge-dim 172 --mrr-negatives 0 > "$OUT/accuracy.log" 2>&1
 [[ " $STEPS " == *" pyg "* ]] && timeout "${PYG_S:-300}" python3 bench/pyg_tgn.py --device cuda --epochs 5 \
     --seeds ${SEEDS:-0 1 2} --json "$OUT/pyg.json" > "$OUT/pyg.log" 2>&1
