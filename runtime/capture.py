@@ -178,12 +178,17 @@ def end_generator_capture(device: torch.device) -> None:
 
     A capture that fails never reaches the generator's capture epilogue, and every later random
     draw would fail ("Offset increment outside graph capture"); an empty successful capture runs
-    the prologue and epilogue once more.
+    the prologue and epilogue once more. Waits for the device first; never raises (the failed
+    capture's own error is what the caller reports).
     """
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.zeros(1, device=device).add_(1)
-    del graph
+    try:
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.zeros(1, device=device).add_(1)
+        del graph
+    except Exception:  # noqa: BLE001 - see above
+        pass
 
 
 class GraphPair:

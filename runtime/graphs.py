@@ -278,11 +278,7 @@ class GraphRunner:
             reason = str(exc) if isinstance(exc, Uncapturable) else \
                 f"capture failed: {type(exc).__name__}: {_first_line(exc)}"
             self._give_up(reason)
-            try:
-                torch.cuda.synchronize(tensors[0].device)
-                end_generator_capture(tensors[0].device)
-            except Exception:  # noqa: BLE001 - the capture's own error was recorded above
-                pass
+            end_generator_capture(tensors[0].device)
             return None
         finally:
             _LOCAL.depth -= 1

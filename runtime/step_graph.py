@@ -25,7 +25,7 @@ whole-network capture does:
 The returned tensors belong to the graph: the next replay of the same graph overwrites them, so
 use (or enqueue work on) them before the next step.
 
-Layering: imports nothing of fastopt.
+Layering: imports only :mod:`fastopt.runtime.capture`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+
+from fastopt.runtime.capture import end_generator_capture
 
 __all__ = ["StepGraphs"]
 
@@ -113,7 +115,8 @@ class StepGraphs:
             self._entries.clear()
             warnings.warn(f"fastopt: whole-step CUDA graphs are off for this run ({self.disabled}); "
                           f"steps run eagerly", RuntimeWarning, stacklevel=3)
-            torch.cuda.synchronize()
+            # else the generator stays in capture mode and every later random draw fails
+            end_generator_capture(tensors[0].device if tensors else torch.device("cuda"))
             return self.step(tensors, constant)
         entry.graph, entry.static, entry.out = graph, static, out
         self.captures += 1

@@ -62,6 +62,9 @@ def test_a_step_that_cannot_be_captured_runs_eagerly():
     with pytest.warns(RuntimeWarning, match="whole-step CUDA graphs are off"):
         values = [graphs([x]) for _ in range(3)]
     assert graphs.disabled and values[0] == values[2]
+    # the failed capture left the CUDA generator usable (else every later random draw raises)
+    assert torch.rand(4, device="cuda").shape == (4,)
+    assert torch.nn.functional.dropout(x, 0.5).shape == x.shape
 
 
 @pytest.mark.parametrize("name", ["tgn", "tgat"])
@@ -134,7 +137,7 @@ def test_a_run_settles_on_one_captured_shape_per_batch_size(small_graph):
         captures.append(t._step_graphs.captures)
     for per_size in lengths.values():  # batches of one size (the last one is shorter) never shrink
         assert per_size == sorted(per_size)
-    assert captures[2] == captures[1] and t._step_graphs.disabled is None
+    assert captures[2] == captures[1] and t._step_graphs.disabled is None, t._step_graphs.disabled_trace
 
 
 def test_dropout_draws_fresh_masks_at_every_replay():
@@ -175,7 +178,7 @@ def test_the_copy_stream_is_never_a_capture_stream(small_graph):
     assert t.loader._copy_stream.cuda_stream not in drawn
     assert copy_stream(torch.device("cuda")).cuda_stream == t.loader._copy_stream.cuda_stream
     t.fit(1)  # a capture on a pool stream while the loader copies
-    assert t._step_graphs.captures >= 1 and t._step_graphs.disabled is None
+    assert t._step_graphs.captures >= 1 and t._step_graphs.disabled is None, t._step_graphs.disabled_trace
 
 
 def test_a_second_run_starts_from_the_first_runs_lengths(small_graph):
