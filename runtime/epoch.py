@@ -1,0 +1,212 @@
+"""One pass over a split: batches staged ahead on background threads, taken in order.
+
+:meth:`fastopt.runtime.Loader.epoch` returns an :class:`EpochStream`; the loader samples and
+stages each batch, this module decides which thread does it and when. With SlimCache,
+:class:`_CachePlanner` samples batches ahead of staging and announces their cached ids to the
+``future`` policy.
+
+Layering: imports nothing of fastopt but :mod:`fastopt.errors` and :mod:`fastopt.runtime.timing`
+(the loader is passed in).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import TYPE_CHECKING, Iterator, List, Optional
+
+from fastopt.errors import ConfigError
+from fastopt.runtime.timing import StageTimer
+
+if TYPE_CHECKING:
+    from fastopt.runtime.loader import EventBatch, Loader
+
+__all__ = ["EpochStream"]
+
+# Seconds between checks of the stop flag while the producer waits for room in the queue.
+_POLL = 0.05
+# Staged lookups SlimCache keeps per table (slimcache._MAX_PENDING): batches staged ahead of the
+# consumer with the cache on.
+_CACHE_STAGED = 2
+
+
+class _Failure:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class _CachePlanner:
+    """Samples an epoch's batches ahead of staging and announces each one's cached ids to
+    SlimCache before the batch is staged (the ``future`` policy's lookahead).
+
+    :meth:`take` returns batch ``i``, sampled, once batches ``i .. i + lookahead`` have been
+    sampled and announced, so the policy knows every row's next use within that window and
+    orders the rows beyond it by recency. The first call plans the cache with the first window:
+    on the cache's first epoch that also fixes the budget split and ``auto``'s choice, from the
+    leading ``cache.sample_fraction`` of the window. Sampling ahead keeps the batches' order, so
+    the draws and the lookups are those of a loader that does not look ahead.
+    """
+
+    def __init__(self, loader: Loader, plan: List[Optional[EventBatch]], lookahead: int) -> None:
+        self.loader, self.plan, self.lookahead = loader, plan, max(0, lookahead)
+        self.sampled = 0  # batches sampled (and announced) so far
+        self.planned = False
+
+    def take(self, i: int) -> EventBatch:
+        end = min(i + self.lookahead + 1, len(self.plan))
+        fresh = []
+        while self.sampled < end:
+            batch = self.plan[self.sampled]
+            self.loader.sample(batch)
+            ids = self.loader.cache_ids(batch)
+            if ids is not None:
+                fresh.append(ids)
+                batch.announced = True
+            self.sampled += 1
+        if not self.planned:
+            self.loader.cache.plan(fresh)  # a new epoch of the future policy
+            self.planned = True
+        else:
+            for ids in fresh:
+                self.loader.cache.announce(ids)
+        # the plan lets go of a batch once it is staged (see EpochStream._produce)
+        batch, self.plan[i] = self.plan[i], None
+        return batch
+
+
+class EpochStream:
+    """Staged batches of one pass, produced ahead on background threads when the pipeline asks.
+
+    ``pipeline.stage_threads`` threads stage whole batches in turn (thread ``w`` batches ``w``,
+    ``w + n``, ...) and the consumer takes them in order: the compiled sampler runs one call at a
+    time, but a batch's packing and copies overlap the next one's sampling. Uniform draws are
+    keyed by the batch, so the batches are the same for any number of threads.
+
+    With SlimCache one thread stages the batches in order, at most two of them ahead of the
+    consumer (the cache's limit of staged lookups), and batches are sampled
+    ``pipeline.prefetch_depth`` further ahead than they are staged, their cached ids announced to
+    the cache's ``future`` policy (:class:`_CachePlanner`; 0 without ``pipeline.async_sampling``).
+
+    Use as ``with loader.epoch(...) as batches: for batch in batches: ...``; leaving the block
+    stops and joins the producer (and finishes the cache lookups of batches staged but never
+    consumed). The time the consumer waits for a batch is the ``sample`` stage; making a staged
+    batch usable on the compute stream is ``gather``.
+    """
+
+    def __init__(self, loader: Loader, batches: Iterator[EventBatch], timer: StageTimer) -> None:
+        self.loader, self.timer = loader, timer
+        self._batches = batches
+        pipe = loader.config.pipeline
+        depth = pipe.prefetch_depth if pipe.async_sampling else 0
+        # 0 = 2 on CUDA, 1 on the CPU: there a batch has no copies to overlap with the next one's
+        # sampling (which runs one call at a time), and a second thread would take a core from the step
+        workers = pipe.stage_threads or (2 if loader.cuda else 1)
+        self._lookahead = 0
+        self._room: Optional[threading.Semaphore] = None
+        self._planner: Optional[_CachePlanner] = None
+        if loader.cache is not None:
+            self._lookahead = depth  # batches sampled and announced beyond the one staged
+            depth = min(depth, 1)  # SlimCache keeps at most two staged lookups per table
+            workers = 1  # and its lookups go in batch order
+            # staged batches not yet finished by the consumer: SlimCache's limit, and the staging
+            # buffer of the oldest one is refilled only once it is finished
+            self._room = threading.Semaphore(_CACHE_STAGED)
+        if loader.sampler is not None and not loader.keyed:
+            workers = 1  # draws keyed by the order of calls: one thread keeps them reproducible
+        self.depth = depth
+        self.workers = max(1, min(workers, depth))
+        self._queues: List["queue.Queue"] = [queue.Queue(maxsize=max(1, depth // self.workers))
+                                             for _ in range(self.workers)]
+        self._stop = threading.Event()
+        self._threads: List[threading.Thread] = []
+
+    def __enter__(self) -> "EpochStream":
+        if self.depth > 0:
+            self._plan = list(self._batches)
+            self._count = len(self._plan)
+            if self._room is not None:
+                self._planner = _CachePlanner(self.loader, self._plan, self._lookahead)
+            for w in range(self.workers):
+                thread = threading.Thread(target=self._produce, args=(w, self._queues[w]),
+                                          name=f"fastopt-loader-{w}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def close(self) -> None:
+        """Stop the producers and wait for them (idempotent)."""
+        self._stop.set()
+        for thread, q in zip(self._threads, self._queues):
+            while thread.is_alive():
+                try:  # make room so a producer blocked on put() sees the flag
+                    q.get_nowait()
+                except queue.Empty:
+                    pass
+                thread.join(timeout=_POLL)
+        self._threads = []
+        if self.loader.cache is not None:  # batches staged but never consumed
+            self.loader.cache.drain()
+
+    def _produce(self, worker: int, q: "queue.Queue") -> None:
+        try:
+            for i in range(worker, self._count, self.workers):
+                if self._stop.is_set():
+                    return
+                if self._planner is not None:
+                    batch = self._planner.take(i)
+                    if not self._wait_for_room():
+                        return
+                else:
+                    # the plan lets go of a batch once it is staged: a staged batch holds its
+                    # inputs on the device, which must be freed when the consumer is done with
+                    # it, not at the end of the epoch
+                    batch, self._plan[i] = self._plan[i], None
+                self._put(q, self.loader.stage(batch))
+                del batch
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._put(q, _Failure(exc))
+
+    def _wait_for_room(self) -> bool:
+        """Wait until fewer than two staged batches await the consumer; False once stopped."""
+        while not self._stop.is_set():
+            if self._room.acquire(timeout=_POLL):
+                return True
+        return False
+
+    def _put(self, q: "queue.Queue", item) -> None:
+        while not self._stop.is_set():
+            try:
+                q.put(item, timeout=_POLL)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> Iterator[EventBatch]:
+        if self.depth == 0:
+            planner = None
+            if self.loader.cache is not None:
+                plan = list(self._batches)
+                planner = _CachePlanner(self.loader, plan, self._lookahead)
+                self._batches = iter(plan)  # taken by the planner, in order
+            for i, batch in enumerate(self._batches):
+                with self.timer("sample", host=True):
+                    staged = self.loader.stage(batch if planner is None else planner.take(i))
+                with self.timer("gather", host=True):
+                    yield self.loader.finish(staged)
+            return
+        if not self._threads:
+            raise ConfigError("iterate an epoch inside `with loader.epoch(...) as batches:`")
+        for i in range(self._count):  # worker w staged batches w, w + workers, ...: take them in turn
+            with self.timer("sample", host=True):
+                item = self._queues[i % self.workers].get()
+            if isinstance(item, _Failure):
+                raise item.exc
+            with self.timer("gather", host=True):
+                batch = self.loader.finish(item)
+            if self._room is not None:
+                self._room.release()
+            yield batch
