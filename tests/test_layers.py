@@ -232,3 +232,16 @@ def test_the_top_package_still_offers_its_surface():
     assert all(getattr(fastopt, name) is not None for name in fastopt.__all__)
     with pytest.raises(AttributeError, match="no attribute 'Trainr'"):
         fastopt.Trainr
+
+
+# a file above this many lines holds more than one idea: split it along the ideas
+MAX_SOURCE_LINES = 600
+
+
+def test_no_source_file_grows_past_the_limit():
+    sources = [p for folder in (*FOLDERS, "bench") for pattern in ("*.py", "*.pyx", "*.pxi")
+               for p in (REPO / folder).rglob(pattern)]
+    assert len(sources) > 50  # the folders were found
+    too_long = {str(p.relative_to(REPO)): n for p in sources
+                if (n := len(p.read_text().splitlines())) > MAX_SOURCE_LINES}
+    assert too_long == {}, f"split these files (limit {MAX_SOURCE_LINES} lines): {too_long}"
