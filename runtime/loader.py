@@ -227,7 +227,8 @@ class Loader:
         return EpochStream(self, self.plan(split, epoch, mrr_negatives), timer or StageTimer(self.device))
 
     def inputs_for(self, roots: np.ndarray, times: np.ndarray) -> GraphInputs:
-        """The model's inputs for arbitrary ``roots`` at ``times``, built synchronously."""
+        """The model's inputs for arbitrary ``roots`` at ``times``, built synchronously (rows
+        read past SlimCache: a batch outside the epoch's plan neither uses nor changes it)."""
         roots = np.asarray(roots, dtype=np.int64)
         batch = EventBatch(-1, 0, 0, roots, roots[:0], np.asarray(times, dtype=np.float64)[:0],
                            roots[:0])
@@ -328,7 +329,9 @@ class Loader:
         if self.edge_table is not None:
             rows = {"event_rows": self.edge_table[batch.start:batch.stop]}
             if blocks:
-                if self.cache is not None:
+                # an epoch's batches go through the cache; an ad-hoc batch (index -1: inputs_for)
+                # reads its rows directly and leaves the cache's contents and plan as they are
+                if self.cache is not None and batch.index >= 0:
                     staged.pending = self.cache.stage("edge", unique=batch.sampled.unique_eids,
                                                       announced=batch.announced)
                 elif self.dedup and (ids := self._unique_edge_ids(batch, ints)) is not None:

@@ -464,9 +464,34 @@ def test_an_epoch_left_early_leaves_the_cached_loader_usable(small_graph, depth,
     batch = next(iter(loader.plan("train", 0)))
     for l in (loader, plain):
         l.sampler.reset(1)
-    for _ in range(2):  # twice: the second finds rows the first admitted
+    before = _traffic(loader.cache.counters("edge"))
+    for _ in range(2):
         inputs = loader.inputs_for(batch.roots, batch.times)
         want = plain.inputs_for(batch.roots, batch.times)
         for gf, wf, m in zip(inputs.edge_feat, want.edge_feat, want.mask, strict=True):
             assert torch.equal(gf[m], wf[m])
-    assert loader.cache.counters("edge").hits > 0
+    assert _traffic(loader.cache.counters("edge")) == before  # an ad-hoc batch reads past the cache
+
+
+@pytest.mark.parametrize("policy", ["static", "future", "lru"])
+def test_inputs_before_any_epoch_read_past_an_unplanned_cache(small_graph, policy):
+    """``inputs_for`` before the first epoch (a trainer's check on its first batch) must not need
+    the epoch's plan (the static policy has no hot set before it) nor change what the epoch does."""
+    loader = cached_loader(small_graph, policy)
+    plain = Loader(small_graph, NumpySampler(small_graph, [3, 2], "uniform", seed=5), torch.device("cpu"),
+                   config(cache__placement="host"))
+    batch = next(iter(loader.plan("train", 0)))
+    inputs = loader.inputs_for(batch.roots, batch.times)
+    want = plain.inputs_for(batch.roots, batch.times)
+    for gf, wf, m in zip(inputs.edge_feat, want.edge_feat, want.mask, strict=True):
+        assert torch.equal(gf[m], wf[m])
+    assert loader.cache.counters("edge").lookups == 0
+    loader.sampler.reset(0)
+    reference = cached_loader(small_graph, policy)
+    assert run_epochs(loader, epochs=1)[0].__len__() == len(run_epochs(reference, epochs=1)[0])
+    assert _traffic(loader.cache.counters("edge")) == _traffic(reference.cache.counters("edge"))
+
+
+def _traffic(c) -> tuple:
+    """A cache's counted traffic (its host-time fields left out)."""
+    return (c.batches, c.lookups, c.hits, c.misses, c.preloaded, c.bytes_h2d, c.evictions)
