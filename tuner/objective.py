@@ -70,6 +70,8 @@ class Measurement:
         timing: ``"cuda_events"`` or ``"wall"``.
         warmup: untimed steps before them.
         peak_device_bytes: the device's peak allocated memory in the window (None on the CPU).
+        warmup_seconds: wall seconds from the call until the warm-up's last step was issued
+            (kernel compiles and graph captures happen there).
     """
 
     step_seconds: float
@@ -78,6 +80,7 @@ class Measurement:
     timing: str = "wall"
     warmup: int = 0
     peak_device_bytes: Optional[int] = None
+    warmup_seconds: float = 0.0
 
 
 class _Marks:
@@ -127,6 +130,7 @@ def measure_window(trainer, window: Window,
                           f"{trainer.config.train.batch_size}, none left to time after "
                           f"{window.warmup} warm-up steps; lower tuner.warmup_steps or the batch size")
     device = trainer.device
+    start, warm = time.perf_counter(), None
     marks, half, skip = _Marks(device), (timed // 2 if checkpoint else 0), None
     if marks.cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -137,6 +141,7 @@ def measure_window(trainer, window: Window,
             if i + 1 < window.warmup:
                 continue
             marks.mark()  # the last warm-up step's mark starts the timing
+            warm = time.perf_counter() - start if warm is None else warm
             done = i + 1 - window.warmup
             if half and done == half:
                 checkpoint(done, statistics.median(marks.intervals()) * batches)
@@ -149,7 +154,7 @@ def measure_window(trainer, window: Window,
     step = statistics.median(intervals)
     peak = torch.cuda.max_memory_allocated(device) if marks.cuda else None
     return Measurement(step, step * batches, intervals, "cuda_events" if marks.cuda else "wall",
-                       window.warmup, peak)
+                       window.warmup, peak, 0.0 if window.warmup == 0 else (warm or 0.0))
 
 
 @contextlib.contextmanager
@@ -218,8 +223,9 @@ class StepObjective:
 
     The trial's user attributes: ``worker`` (``host:pid`` of the process that ran it),
     ``values`` (every value set, fixed ones included), ``verified`` (what the check returned),
-    ``step_seconds``, ``steps``, ``timing``, ``peak_device_bytes``, and ``failure`` or
-    ``pruned`` with the reason when pruned.
+    ``step_seconds``, ``steps``, ``timing``, ``peak_device_bytes``, ``phases`` (wall seconds of
+    ``build``, ``check``, ``warmup`` and ``window``; ``unfinished``: the part a pruned trial was
+    in), and ``failure`` or ``pruned`` with the reason when pruned.
 
     A trial leaves its trainer to be collected: call :func:`release` between trials
     (:func:`~fastopt.tuner.study.tune` does, once Optuna has dropped the trial).
@@ -241,9 +247,12 @@ class StepObjective:
         values = self.space.suggest(trial)
         trial.set_user_attr("values", values)
         trainer, self._trainer = None, lambda: None
+        phases: Dict[str, float] = {}  # wall seconds per part of the trial: where its time goes
+        clock = time.perf_counter()
         try:
             config = self.space.apply(self.config, values)
             trainer = self.make_trainer(config)
+            phases["build"], clock = time.perf_counter() - clock, time.perf_counter()
             try:
                 self._trainer = weakref.ref(trainer)
             except TypeError:  # not weakly referable: counted as alive
@@ -251,7 +260,10 @@ class StepObjective:
             with device_memory_limit(trainer.device, self.max_device_memory):
                 if self.check is not None:
                     trial.set_user_attr("verified", self.check(trainer))
+                    phases["check"], clock = time.perf_counter() - clock, time.perf_counter()
                 result = measure_window(trainer, self.window, lambda step, value: _prune_if_slow(trial, step, value))
+            phases["warmup"] = result.warmup_seconds
+            phases["window"] = time.perf_counter() - clock - result.warmup_seconds
             self._check_memory(result)
         except optuna.TrialPruned:
             raise
@@ -261,6 +273,9 @@ class StepObjective:
             raise optuna.TrialPruned(reason) from None
         finally:
             del trainer  # freed by release() once the trial is over (study.tune calls it)
+            if "window" not in phases:  # failed or pruned: the time of the part it was in
+                phases["unfinished"] = time.perf_counter() - clock
+            trial.set_user_attr("phases", phases)
         trial.set_user_attr("step_seconds", result.step_seconds)
         trial.set_user_attr("steps", result.steps)
         trial.set_user_attr("timing", result.timing)

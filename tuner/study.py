@@ -196,6 +196,13 @@ def _stop_at(total: int):
     return stop
 
 
+def phases_line(phases: Optional[Dict[str, float]]) -> str:
+    """`` | build 9.1 s, check 1.2 s, ...``: where a trial's wall time went ('' when unknown)."""
+    if not phases:
+        return ""
+    return " | " + ", ".join(f"{name.replace('warmup', 'warm-up')} {sec:.1f} s" for name, sec in phases.items())
+
+
 def _progress(total: int, say: Callable[[str], None], bar):
     """A study callback reporting each finished trial with the best so far: a line to ``say``, or,
     where ``bar`` draws (:func:`~fastopt.trainer.progress_bar`), a step of the bar whose postfix
@@ -217,7 +224,7 @@ def _progress(total: int, say: Callable[[str], None], bar):
         except ValueError:
             tail = "no trial completed yet"
         if bar.disable:
-            say(f"{head}: {what} | {tail}")
+            say(f"{head}: {what} | {tail}{phases_line(trial.user_attrs.get('phases'))}")
         else:
             bar.update(1)
             bar.set_postfix_str(f"{tail}; trial {trial.number + 1}: {last}")

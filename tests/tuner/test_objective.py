@@ -73,9 +73,14 @@ def test_a_trial_that_disagrees_with_eager_is_pruned_and_never_chosen(
         assert reason.startswith("FastOptError: the trial's outputs or gradients disagree with eager")
         assert ("output differs" if what == "outputs" else "grad ") in reason
         assert "step_seconds" not in t.user_attrs  # stopped before its window
+        assert list(t.user_attrs["phases"]) == ["build", "unfinished"]  # pruned in its check
     for t in good:  # checked, agreed (the largest error ratio to eager's), timed
         assert t.state == optuna.trial.TrialState.COMPLETE and "failure" not in t.user_attrs
         assert isinstance(t.user_attrs["verified"], float) and t.user_attrs["step_seconds"] > 0
+        phases = t.user_attrs["phases"]  # where the trial's wall time went
+        assert list(phases) == ["build", "check", "warmup", "window"] and min(phases.values()) > 0
+        assert phases["window"] >= sum(t.user_attrs["steps"])  # the timed steps ran in the window
+    assert any(line.endswith(" s") and "| build " in line and ", warm-up " in line for line in lines)
     assert any("disagree with eager" in line for line in lines)
     assert run.record.values["kernels.op_overrides"] == ""  # the record holds a value that agreed
     assert run.study.best_trial.params[BAD] == 0
