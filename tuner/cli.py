@@ -30,7 +30,8 @@ def add_tune(sub, add_run_flags: Callable, build_config: Callable) -> None:
     p.add_argument("--trials", type=int, default=None,
                    help="finished trials the study should hold, the baseline's included (default 40); "
                         "a resumed study runs those left")
-    p.add_argument("--timeout", type=float, default=None, help="seconds after which no new trial starts")
+    p.add_argument("--timeout", type=float, default=None, help="wall seconds the study may take: no trial starts that would end later "
+                   "at the pace of the last trials")
     p.add_argument("--storage", default=None,
                    help="SQLite file or RDB URL, e.g. sqlite:///tune.db or postgresql://user@host/db "
                         "(default fastopt-tune.db); a study there of the same name resumes")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
@@ -76,7 +77,9 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
         config: the baseline configuration (its device, seed and model hyperparameters hold for
             every trial).
         trials: the study's total of finished trials; a resumed study runs only those left.
-        timeout: seconds after which no new trial starts.
+        timeout: wall seconds the study may take in this process: no trial starts after it,
+            nor one that would end after it at the pace of the last trials (the longest of the
+            last three), so that the study ends near it rather than a trial later.
         storage: a SQLite file or RDB URL (:func:`~fastopt.tuner.storage.storage_url`).
         study_name: default ``<model>-<dataset>-<device>``.
         batch_sizes: batch sizes to search; default the config's alone.
@@ -132,7 +135,7 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
                 # one collection per trial, once Optuna has dropped the trial
                 study.optimize(objective, n_trials=trials - done, timeout=timeout, gc_after_trial=False,
                                callbacks=[_release(objective, freeze), _progress(trials, say, bar),
-                                          _stop_at(trials)])
+                                          _stop_at(trials), _stop_before(timeout, say)])
         finally:
             bar.close()
     completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
@@ -182,6 +185,25 @@ def _claim(study: optuna.Study, context: Dict[str, Any]) -> None:
             raise StudyError(f"study {study.study_name!r} tunes another {key} ({old!r}, this run "
                              f"{new!r}); pass a new --study-name, or the same model, dataset and "
                              f"device as the study")
+
+
+def _stop_before(timeout: Optional[float], say: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
+    """A study callback that stops this worker when the next trial, as long as the longest of the
+    last three, would end more than ``timeout`` seconds after this call (None: never)."""
+    deadline = None if timeout is None else clock() + timeout
+    recent: list = []
+
+    def stop(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        if deadline is None or trial.duration is None:
+            return
+        recent[:] = (recent + [trial.duration.total_seconds()])[-3:]
+        left = deadline - clock()
+        if 0 < left < max(recent):
+            say(f"fastopt tune: stopping: {left:.0f} s of --timeout left, trials take up to "
+                f"{max(recent):.0f} s")
+            study.stop()
+
+    return stop
 
 
 def _stop_at(total: int):

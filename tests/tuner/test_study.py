@@ -178,3 +178,38 @@ def test_progress_bar_on_a_terminal_lines_elsewhere(small_graph, config, tmp_pat
     assert lines and not any(line.startswith("trial ") for line in lines)  # the space, no trial lines
     err = capsys.readouterr().err
     assert "fastopt tune" in err and "2/2" in err and "best " in err and "trial 2: " in err
+
+
+def test_the_timeout_stops_before_a_trial_that_would_end_after_it():
+    """--timeout bounds the study's wall time: after each trial, the worker stops when the longest
+    of the last three trials no longer fits in the time left (Optuna's own timeout only keeps
+    new trials from starting once it has passed)."""
+    import datetime
+
+    from fastopt.tuner.study import _stop_before
+
+    class Study:
+        stopped = False
+
+        def stop(self):
+            self.stopped = True
+
+    class Trial:
+        def __init__(self, seconds):
+            self.duration = datetime.timedelta(seconds=seconds)
+
+    now, lines = [0.0], []
+    stop, study = _stop_before(100.0, lines.append, clock=lambda: now[0]), Study()
+    for end, took in [(40, 40), (50, 10), (60, 10), (70, 10)]:  # at 60: 40 s left, a 40 s trial fits
+        now[0] = end
+        stop(study, Trial(took))
+        assert not study.stopped, end
+    now[0] = 80  # 20 s left; the last three took 10 s
+    stop(study, Trial(10))
+    assert not study.stopped
+    now[0] = 95  # 5 s left
+    stop(study, Trial(15))
+    assert study.stopped and lines == ["fastopt tune: stopping: 5 s of --timeout left, trials take up to 15 s"]
+    never = Study()
+    _stop_before(None, lines.append, clock=lambda: 1e9)(never, Trial(1e6))
+    assert not never.stopped
