@@ -68,7 +68,7 @@ fi
 [[ " $STEPS " == *" accuracy "* ]] && FASTOPT_SAMPLER_THREADS=2 timeout "${ACCURACY_S:-300}" python3 bench/accuracy.py \
     --datasets wikipedia --seeds ${SEEDS:-0 1 2} --variants ${VARIANTS:-eager fastopt} --jobs "${JOBS:-12}" \
     --json "$OUT/accuracy.json" -- --batch-size 600 --edge-dim 172 --mrr-negatives 0 > "$OUT/accuracy.log" 2>&1
-[[ " $STEPS " == *" pyg "* ]] && timeout "${PYG_S:-300}" python3 bench/pyg_tgn.py --device cuda --epochs 5 \
+[[ " $STEPS " == *" pyg "* ]] && timeout "${PYG_S:-480}" python3 bench/pyg_tgn.py --device cuda --epochs 5 --control \
     --seeds ${SEEDS:-0 1 2} --json "$OUT/pyg.json" > "$OUT/pyg.log" 2>&1
 [ -f "$OUT/bench.log" ] && grep -E "^(eager|tgl|pyg|compile|fastopt) " "$OUT/bench.log"
 [ -f "$OUT/accuracy.log" ] && tail -16 "$OUT/accuracy.log"

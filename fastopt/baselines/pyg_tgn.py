@@ -63,7 +63,8 @@ _SPLIT_IDS = {"train": 0, "val": 1, "test": 2}
 def run_pyg_tgn(graph, *, batch_size: int = 600, epochs: int = 1, device="cpu", seed: int = 0,
                 memory_dim: int = 100, time_dim: int = 100, embedding_dim: int = 100,
                 neighbors: int = 10, progress: bool = False,
-                modules: Optional[Callable[[nn.Module], nn.Module]] = None) -> dict:
+                modules: Optional[Callable[[nn.Module], nn.Module]] = None,
+                perturb: float = 0.0) -> dict:
     """Train PyG's TGN on ``graph`` for ``epochs`` and evaluate after each epoch.
 
     Args:
@@ -81,6 +82,10 @@ def run_pyg_tgn(graph, *, batch_size: int = 600, epochs: int = 1, device="cpu", 
         modules: applied to the memory (``TGNMemory``) and to the embedding module (time
             encoding and ``TransformerConv``) once built; the model trains what it returns
             (``fastopt.optimize``: the optimized modules, sharing the parameters).
+        perturb: scale every initial parameter by ``1 + perturb * N(0, 1)``, drawn from a
+            generator of its own (torch's stream, hence dropout and everything after, untouched):
+            ``1e-7`` is a control run of the example whose distance from the plain run is what
+            rounding alone moves its results by (training amplifies float32 differences).
 
     Returns:
         ``{"epoch_seconds": [float], "loss": [float], "val": {"ap", "auc"}, "test": {"ap", "auc"},
@@ -111,6 +116,11 @@ def run_pyg_tgn(graph, *, batch_size: int = 600, epochs: int = 1, device="cpu", 
     stream = _EventStream.from_graph(graph, dev)
     model = _TGN(pyg, graph.num_nodes, stream.msg.size(1), memory_dim=memory_dim, time_dim=time_dim,
                  embedding_dim=embedding_dim, neighbors=neighbors, device=dev)
+    if perturb:
+        noise = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(1 + perturb * torch.randn(param.shape, generator=noise).to(param.device))
     if modules is not None:
         model.apply_to_modules(modules)
     optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)

@@ -48,3 +48,32 @@ def test_missing_pyg_names_the_extra(college, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_geometric", None)
     with pytest.raises(FastOptError, match=r"fastopt\[pyg\]"):
         run_pyg_tgn(college)
+
+
+def test_perturb_scales_the_initial_parameters_and_nothing_else(college, monkeypatch):
+    """``perturb`` changes each initial parameter by that relative amount, from a generator of its
+    own: the parameters of two plain runs of a seed are equal, and torch's stream (dropout,
+    everything after) is where the plain run has it."""
+    pytest.importorskip("torch_geometric")
+    import torch
+
+    from fastopt.baselines.pyg_tgn import run_pyg_tgn
+
+    class Built(Exception):
+        pass
+
+    def stop(params, lr):  # the optimizer is made right after the model: look, then stop
+        params = list(params)
+        raise Built([p.detach().clone() for p in params], torch.rand(1))
+
+    monkeypatch.setattr(torch.optim, "Adam", stop)
+    seen = {}
+    for name, perturb in [("plain", 0.0), ("again", 0.0), ("perturbed", 1e-3)]:
+        with pytest.raises(Built) as got:
+            run_pyg_tgn(college, batch_size=200, epochs=1, seed=3, perturb=perturb)
+        seen[name] = got.value.args
+    (plain, draw), (again, draw_again), (perturbed, draw_perturbed) = seen.values()
+    assert all(torch.equal(a, b) for a, b in zip(plain, again, strict=True))
+    assert torch.equal(draw, draw_again) and torch.equal(draw, draw_perturbed)
+    changed = [((p - q).abs() / q.abs().clamp(min=1e-12)).max() for p, q in zip(perturbed, plain) if q.abs().sum() > 0]
+    assert changed and all(1e-5 < c < 1e-1 for c in changed)

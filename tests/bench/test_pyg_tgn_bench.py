@@ -84,6 +84,28 @@ def test_bench_passes_and_records(tmp_path):
     assert "git_commit" in record and record["gpu"] is None
 
 
+def test_control_runs_the_example_perturbed_at_rounding_level(tmp_path, monkeypatch):
+    """--control adds, per seed, PyG's example with its initial parameters scaled by 1 + 1e-7 N(0,1)
+    (its own generator), and records its AP gap to the plain example."""
+    import fastopt.baselines.pyg_tgn as baseline
+
+    script, scaled = load("pyg_tgn"), []
+    real = baseline.run_pyg_tgn
+
+    def run(*args, perturb=0.0, **kwargs):
+        scaled.append(perturb)
+        return real(*args, perturb=perturb, **kwargs)
+
+    monkeypatch.setattr(script, "run_pyg_tgn", run)
+    assert script.main(_args(tmp_path) + ["--control"]) == 0
+    record = json.loads((tmp_path / "out.json").read_text())
+    assert set(record["epochs"]) == {"pyg", "fastopt", "pyg-control"}
+    assert scaled == [0.0, 0.0, script.CONTROL_PERTURBATION] * 2  # per seed, PyG first
+    ap = record["test_ap"]
+    assert record["control_ap_points"] == pytest.approx(
+        100 * (sum(ap["pyg-control"]) - sum(ap["pyg"])) / 2)
+
+
 def test_bench_fails_on_a_wrong_layer(tmp_path, monkeypatch):
     script = load("pyg_tgn")
     from fastopt.passes import pyg_conv
