@@ -14,6 +14,8 @@ source's last few partners.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
@@ -125,6 +127,10 @@ def synthesize(like: TemporalGraph, num_events: int, *, num_nodes: Optional[int]
 # Events generated from one random stream: the unit that makes the graph independent of how many
 # events are held in RAM at once (a chunk is a whole number of blocks).
 BLOCK_EVENTS = 1 << 17
+# threads drawing a chunk's features at most (numpy's generators fill arrays without the GIL),
+# each a tile of FEATURE_ROWS events at a time from the tile's own stream (a block holds 16)
+FEATURE_THREADS = 16
+FEATURE_ROWS = 1 << 13
 
 
 @dataclass(frozen=True)
@@ -188,9 +194,12 @@ def gdelt_chunks(profile: GdeltProfile, num_events: int, *, seed: int = 0,
     """The events of a GDELT-like graph as consecutive ``(src, dst, ts, edge_feat)`` chunks.
 
     Events come in blocks of :data:`BLOCK_EVENTS`, block ``b`` drawn from its own random stream
-    ``(seed, b)``; the only state carried between blocks is each source's last ``window``
+    ``(seed, 1, b)``, and their features in tiles of :data:`FEATURE_ROWS` events, tile ``t`` from
+    ``(seed, 2, t)``; the only state carried between blocks is each source's last ``window``
     partners. So the graph depends on ``seed`` alone, not on ``chunk_events``, and RAM holds one
-    chunk and that state, whatever ``num_events`` is.
+    chunk and that state, whatever ``num_events`` is. The features (nearly all of the bytes) are
+    drawn on up to :data:`FEATURE_THREADS` threads, each tile into its rows of the chunk, while
+    this thread draws the events.
 
     Args:
         profile: the degree, repeat, time and feature parameters.
@@ -213,15 +222,35 @@ def gdelt_chunks(profile: GdeltProfile, num_events: int, *, seed: int = 0,
     ticks = profile.time_span / profile.time_step
     per_chunk = -(-chunk_events // BLOCK_EVENTS)
     blocks = -(-num_events // BLOCK_EVENTS)
-    for first in range(0, blocks, per_chunk):
-        parts = [_gdelt_block(profile, cdf, history, known, b, min(BLOCK_EVENTS, num_events - b * BLOCK_EVENTS),
-                              ticks, num_events, seed) for b in range(first, min(first + per_chunk, blocks))]
-        yield tuple(None if parts[0][k] is None else np.concatenate([p[k] for p in parts]) for k in range(4))
+    threads = max(1, min(FEATURE_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                         else (os.cpu_count() or 1)))
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastopt-synth") as pool:
+        for first in range(0, blocks, per_chunk):
+            ids = range(first, min(first + per_chunk, blocks))
+            sizes = [min(BLOCK_EVENTS, num_events - b * BLOCK_EVENTS) for b in ids]
+            feat = np.empty((sum(sizes), profile.edge_dim), dtype=np.float32) if profile.edge_dim else None
+            first_row = first * BLOCK_EVENTS
+            fills = [] if feat is None else [
+                pool.submit(_fill_features, feat[t * FEATURE_ROWS - first_row:(t + 1) * FEATURE_ROWS - first_row],
+                            seed, t)
+                for t in range(first_row // FEATURE_ROWS, -(-(first_row + feat.shape[0]) // FEATURE_ROWS))]
+            parts = [_gdelt_block(profile, cdf, history, known, b, size, ticks, num_events, seed)
+                     for b, size in zip(ids, sizes)]
+            for fill in fills:
+                fill.result()
+            yield tuple(np.concatenate([p[k] for p in parts]) for k in range(3)) + (feat,)
+
+
+def _fill_features(out: np.ndarray, seed: int, tile: int) -> None:
+    """The edge features of events ``tile * FEATURE_ROWS ...`` (``len(out)`` of them), standard
+    normal float32, drawn into ``out``."""
+    np.random.default_rng([seed, 2, tile]).standard_normal(out=out, dtype=np.float32)
 
 
 def _gdelt_block(profile: GdeltProfile, cdf: np.ndarray, history: np.ndarray, known: np.ndarray,
                  block: int, size: int, ticks: float, num_events: int, seed: int):
-    """Block ``block`` of :func:`gdelt_chunks` (``size`` events); updates ``history``/``known``."""
+    """Block ``block``'s events of :func:`gdelt_chunks` (``size`` of them, without features):
+    ``(src, dst, ts)``; updates ``history``/``known``."""
     rng = np.random.default_rng([seed, 1, block])
     n, window = cdf.size, profile.window
     src = np.searchsorted(cdf, rng.random(size), side="right").clip(max=n - 1)
@@ -243,8 +272,7 @@ def _gdelt_block(profile: GdeltProfile, cdf: np.ndarray, history: np.ndarray, kn
     known[active] = np.minimum(kept + np.bincount(src, minlength=n)[active], window)
     start = block * BLOCK_EVENTS
     ts = np.floor(np.arange(start, start + size) * (ticks / num_events)) * profile.time_step
-    feat = rng.standard_normal((size, profile.edge_dim), dtype=np.float32) if profile.edge_dim else None
-    return src, every_dst[past_src.size:], ts, feat
+    return src, every_dst[past_src.size:], ts
 
 
 def synthesize_gdelt(profile: GdeltProfile, num_events: int, *, seed: int = 0) -> TemporalGraph:

@@ -68,6 +68,24 @@ def test_gdelt_chunks_give_one_graph_whatever_the_chunk_size():
             assert np.array_equal(joined, getattr(whole, name)), (chunk, name)
 
 
+def test_gdelt_features_are_the_same_on_any_number_of_threads(monkeypatch):
+    """Each tile of features comes from its own stream, whatever thread draws it, and every row
+    is drawn (a row left unfilled would be whatever the allocation held)."""
+    import fastopt.data.synth as synth
+
+    profile = GdeltProfile(num_nodes=500, edge_dim=5)
+    n = BLOCK_EVENTS + 3 * synth.FEATURE_ROWS + 17  # a short last tile in a short last block
+    seen = []
+    for threads in (1, 3):
+        monkeypatch.setattr(synth, "FEATURE_THREADS", threads)
+        seen.append(synthesize_gdelt(profile, n, seed=2).edge_feat)
+    assert np.array_equal(seen[0], seen[1])
+    tiles = seen[0][: (n // synth.FEATURE_ROWS) * synth.FEATURE_ROWS].reshape(-1, synth.FEATURE_ROWS, 5)
+    assert abs(float(seen[0].mean())) < 0.01 and abs(float(seen[0].std()) - 1) < 0.01
+    assert not any(np.array_equal(tiles[0], t) for t in tiles[1:])  # a stream per tile, not one reused
+    assert np.all(np.abs(seen[0][-17:]).sum(axis=1) > 0)
+
+
 def test_gdelt_profile_is_heavy_tailed_with_the_asked_exponent():
     graph = synthesize_gdelt(GdeltProfile(num_nodes=5_000, edge_dim=0), 400_000, seed=0)
     sends = np.sort(np.bincount(graph.src, minlength=graph.num_nodes))[::-1]
