@@ -19,7 +19,11 @@
 # folder), TRIALS trials (40) in one SQLite file, records to $OUT/records (--max-device-memory
 # MAX_MEMORY_GB when set), then fastopt bench of fastopt and fastopt-tuned side by side per pair
 # (tune.log, tuned-*.json); each study under TUNE_S seconds (900). The tuner needs optuna there:
-# carry its wheels (device README) and put them on PYTHONPATH before this script. Bench epochs:
+# carry its wheels (device README) and put them on PYTHONPATH before this script. "scale": a
+# GDELT-like graph of SCALE_EVENTS (50 M) events synthesized on the machine (SCALE_DIR, ~39 GB at
+# 50 M), then fastopt bench of TGN at batch 4,000, features on the host through a device cache of
+# SCALE_BUDGET (0.1) of their bytes (scale.{log,json}: events/s, bytes moved, peak host and device
+# memory, test AP). Bench epochs:
 # BENCH_EPOCHS (4: the steady figure is the median of three, which one slow epoch cannot move).
 set -u
 export PYTHONUNBUFFERED=1
@@ -64,6 +68,18 @@ if [[ " $STEPS " == *" tune "* ]]; then
         done
     done
     grep -E "^(fastopt|fastopt-tuned) |tuned record|no tuning record|best" "$OUT/tune.log"
+fi
+if [[ " $STEPS " == *" scale "* ]]; then
+    # a GDELT-like graph of SCALE_EVENTS events (186-d features) written to SCALE_DIR, then TGN at
+    # batch 4,000 with the features on the host and a device cache of SCALE_BUDGET of their bytes
+    g=${SCALE_DIR:-/tmp/gdelt-scale}; rm -rf "$g"
+    { df -h "$(dirname "$g")"; free -g; } > "$OUT/scale.log" 2>&1
+    timeout "${SYNTH_S:-240}" fastopt data synth --like gdelt --events "${SCALE_EVENTS:-50000000}" --out "$g" \
+        >> "$OUT/scale.log" 2>&1
+    FASTOPT_CACHE_PLACEMENT=host FASTOPT_CACHE_BUDGET_FRACTION=${SCALE_BUDGET:-0.1} timeout "${SCALE_S:-330}" \
+        fastopt bench --dataset "$g" --model tgn --batch-size 4000 --epochs "${SCALE_EPOCHS:-2}" --contenders fastopt \
+        --no-progress --json "$OUT/scale.json" >> "$OUT/scale.log" 2>&1
+    tail -5 "$OUT/scale.log"
 fi
 [[ " $STEPS " == *" accuracy "* ]] && FASTOPT_SAMPLER_THREADS=2 timeout "${ACCURACY_S:-300}" python3 bench/accuracy.py \
     --datasets wikipedia --seeds ${SEEDS:-0 1 2} --variants ${VARIANTS:-eager fastopt} --jobs "${JOBS:-12}" \

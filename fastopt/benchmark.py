@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
@@ -57,6 +58,8 @@ class BenchResult:
     stages: Dict[str, float] = field(default_factory=dict)
     bytes_h2d: float = 0.0
     peak_device_bytes: int = 0
+    peak_host_bytes: int = 0  # the process's peak resident memory when the contender ended
+    train_events: int = 0  # events of a training epoch
     val_ap: float = float("nan")
     test_ap: float = float("nan")
     verified: str = ""
@@ -76,6 +79,8 @@ class BenchResult:
         return {"contender": self.contender, "epoch_seconds": self.epoch_seconds,
                 "first_epoch_s": self.first, "steady_epoch_s": self.steady, "stages": self.stages,
                 "bytes_h2d_per_epoch": self.bytes_h2d, "peak_device_bytes": self.peak_device_bytes,
+                "peak_host_bytes": self.peak_host_bytes,
+                "train_events_per_second": self.train_events / self.steady if self.train_events else None,
                 "val_ap": self.val_ap, "test_ap": self.test_ap, "verified": self.verified,
                 "error_vs_eager": self.max_rel_error, "note": self.note}
 
@@ -230,6 +235,8 @@ def run_bench(graph, model_name: str, base: Config, contenders: Sequence[str] = 
                          for k in ("sample", "gather", "forward", "backward", "update", "step")}
         result.bytes_h2d = statistics.median(h["bytes_h2d"] for h in steady)
         result.peak_device_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        result.peak_host_bytes = peak_host_bytes()
+        result.train_events = len(graph.split_range("train"))
         result.val_ap = history[-1]["val"]["ap"]
         result.test_ap = trainer.test_metrics["ap"]
         results.append(result)
@@ -284,18 +291,29 @@ def _run_pyg(graph, model_name: str, base: Config, epochs: int, device, progress
                       seed=base.train.seed, progress=progress)
     result = BenchResult("pyg", epoch_seconds=list(out["epoch_seconds"]),
                          bytes_h2d=float(out["h2d_bytes_per_epoch"]),
-                         peak_device_bytes=int(out["peak_device_bytes"]), val_ap=out["val"]["ap"],
+                         peak_device_bytes=int(out["peak_device_bytes"]), peak_host_bytes=peak_host_bytes(),
+                         train_events=len(graph.split_range("train")), val_ap=out["val"]["ap"],
                          test_ap=out["test"]["ap"], verified="other implementation: accuracy only",
                          note="PyG examples/tgn.py structure")
     log(f"  pyg: {result.steady:.3f} s/epoch steady, first {result.first:.3f} s, test AP {result.test_ap:.4f}")
     return result
 
 
+def peak_host_bytes() -> int:
+    """The process's peak resident memory so far, in bytes (0 where the platform does not say)."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
 def format_table(results: Sequence[BenchResult], baseline: str = "eager") -> str:
     """The results as an aligned text table; speedups against ``baseline``'s steady epoch."""
     ref = next((r.steady for r in results if r.contender == baseline), float("nan"))
     head = ["contender", "s/epoch", "first s", f"x {baseline}", "sample", "gather", "forward",
-            "backward", "update", "step", "H2D MB/ep", "peak MB", "val AP", "test AP"]
+            "backward", "update", "step", "H2D MB/ep", "peak MB", "host MB", "val AP", "test AP"]
     rows = [head]
     for r in results:
         st = r.stages
@@ -303,6 +321,7 @@ def format_table(results: Sequence[BenchResult], baseline: str = "eager") -> str
                      *(f"{st.get(k, float('nan')):.3f}" if st else "-"
                        for k in ("sample", "gather", "forward", "backward", "update", "step")),
                      f"{r.bytes_h2d / 1e6:.1f}", f"{r.peak_device_bytes / 1e6:.0f}",
+                     f"{r.peak_host_bytes / 1e6:.0f}" if r.peak_host_bytes else "-",
                      f"{r.val_ap:.4f}", f"{r.test_ap:.4f}"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))

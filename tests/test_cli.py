@@ -64,6 +64,11 @@ def test_bench_end_to_end_writes_json(tiny_file, tmp_path, capsys):
     for r in record["results"]:
         assert len(r["epoch_seconds"]) == 2 and r["steady_epoch_s"] > 0 and 0 <= r["test_ap"] <= 1
         assert r["verified"]
+        assert r["peak_host_bytes"] > 50e6  # the process's peak RSS (torch alone is more)
+        from fastopt.data import load_dataset
+
+        events = len(load_dataset(str(tiny_file)).split_range("train"))
+        assert r["train_events_per_second"] == pytest.approx(events / r["steady_epoch_s"])
     # one seed, one initialization, one data path: TGL's path and the device path train identically
     tgl, eager = record["results"][0], record["results"][1]
     assert tgl["test_ap"] == eager["test_ap"] and tgl["val_ap"] == eager["val_ap"]
