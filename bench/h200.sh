@@ -72,13 +72,15 @@ fi
 if [[ " $STEPS " == *" scale "* ]]; then
     # a GDELT-like graph of SCALE_EVENTS events (186-d features) written to SCALE_DIR, then TGN at
     # batch 4,000 with the features on the host and a device cache of SCALE_BUDGET of their bytes
-    g=${SCALE_DIR:-/tmp/gdelt-scale}; rm -rf "$g"
+    # (a synth cut by its time limit leaves its files in a hidden .NAME.*.tmp folder beside DIR)
+    g=${SCALE_DIR:-/tmp/gdelt-scale}; rm -rf "$g" "$(dirname "$g")/.$(basename "$g")".*.tmp
     { df -h "$(dirname "$g")"; free -g; } > "$OUT/scale.log" 2>&1
     timeout "${SYNTH_S:-240}" fastopt data synth --like gdelt --events "${SCALE_EVENTS:-50000000}" --out "$g" \
-        >> "$OUT/scale.log" 2>&1
+        >> "$OUT/scale.log" 2>&1 &&
     FASTOPT_CACHE_PLACEMENT=host FASTOPT_CACHE_BUDGET_FRACTION=${SCALE_BUDGET:-0.1} timeout "${SCALE_S:-330}" \
         fastopt bench --dataset "$g" --model tgn --batch-size 4000 --epochs "${SCALE_EPOCHS:-2}" --contenders fastopt \
         --no-progress --json "$OUT/scale.json" >> "$OUT/scale.log" 2>&1
+    rm -rf "$g" "$(dirname "$g")/.$(basename "$g")".*.tmp
     tail -5 "$OUT/scale.log"
 fi
 [[ " $STEPS " == *" accuracy "* ]] && FASTOPT_SAMPLER_THREADS=2 timeout "${ACCURACY_S:-300}" python3 bench/accuracy.py \

@@ -58,7 +58,9 @@ class BenchResult:
     stages: Dict[str, float] = field(default_factory=dict)
     bytes_h2d: float = 0.0
     peak_device_bytes: int = 0
-    peak_host_bytes: int = 0  # the process's peak resident memory when the contender ended
+    # the process's peak resident memory when the contender ended: since the process started (so
+    # at least any earlier contender's) and with the pages of mapped feature files it read
+    peak_host_bytes: int = 0
     train_events: int = 0  # events of a training epoch
     val_ap: float = float("nan")
     test_ap: float = float("nan")

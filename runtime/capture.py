@@ -184,7 +184,8 @@ def end_generator_capture(device: torch.device) -> None:
     try:
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local, as every capture here: the loader's thread keeps staging meanwhile
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             torch.zeros(1, device=device).add_(1)
         del graph
     except Exception:  # noqa: BLE001 - see above

@@ -13,9 +13,9 @@ plan -> sample -> stage -> :class:`~fastopt.runtime.GraphInputs`, ahead of the s
 * **Sample.** The temporal sampler returns every layer's neighbors and the batch's unique node
   and edge ids (:class:`~fastopt.runtime.SampledBatch`). Graph structure never depends on
   training state, so background threads sample ``pipeline.prefetch_depth`` batches ahead
-  (:class:`~fastopt.runtime.epoch.EpochStream`)
   (``pipeline.async_sampling``; ``pipeline.stage_threads`` threads stage batches in turn, the
-  draws keyed by the batch so that any number of threads gives the same batches); the compiled
+  draws keyed by the batch so that any number of threads gives the same batches; see
+  :class:`~fastopt.runtime.epoch.EpochStream`); the compiled
   sampler runs without the GIL. With ``sampler.hop_dedup`` a layer's repeated slots are one
   node of the next layer (``GraphInputs.nbr_index``).
 * **Stage.** Ids, times and masks are packed per dtype into pinned host buffers and copied on a
@@ -36,8 +36,7 @@ An exception in a background thread is raised in the consuming thread at the bat
 happened; leaving the ``with`` block (normally, by an exception or Ctrl-C) stops the threads and
 waits for them.
 
-Layering: imports nothing of fastopt but :mod:`fastopt.config`, :mod:`fastopt.errors` and other
-runtime modules. The graph is duck-typed (``src``, ``dst``, ``ts``, ``edge_feat``,
+Layering: imports nothing of fastopt but :mod:`fastopt.config` and other runtime modules. The graph is duck-typed (``src``, ``dst``, ``ts``, ``edge_feat``,
 ``node_feat``, ``num_nodes``, ``split_range``, ``destination_pool``).
 """
 

@@ -77,9 +77,9 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
         config: the baseline configuration (its device, seed and model hyperparameters hold for
             every trial).
         trials: the study's total of finished trials; a resumed study runs only those left.
-        timeout: wall seconds the study may take in this process: no trial starts after it,
-            nor one that would end after it at the pace of the last trials (the longest of the
-            last three), so that the study ends near it rather than a trial later.
+        timeout: wall seconds this call may take: no trial starts after them, nor one that
+            would end after them at the pace of the last trials (the longest of the last three
+            completed), so that the study ends near them rather than a trial later.
         storage: a SQLite file or RDB URL (:func:`~fastopt.tuner.storage.storage_url`).
         study_name: default ``<model>-<dataset>-<device>``.
         batch_sizes: batch sizes to search; default the config's alone.
@@ -95,6 +95,7 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
         StudyError: the storage cannot be opened, or the study of that name tunes another model,
             dataset, device or space.
     """
+    started = time.monotonic()  # --timeout counts from here: building the space is part of it
     from fastopt.models import build_model
     from fastopt.trainer import progress_bar, resolve_device, tuning_fingerprint
 
@@ -135,7 +136,7 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
                 # one collection per trial, once Optuna has dropped the trial
                 study.optimize(objective, n_trials=trials - done, timeout=timeout, gc_after_trial=False,
                                callbacks=[_release(objective, freeze), _progress(trials, say, bar),
-                                          _stop_at(trials), _stop_before(timeout, say)])
+                                          _stop_at(trials), _stop_before(timeout, say, started)])
         finally:
             bar.close()
     completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
@@ -187,20 +188,29 @@ def _claim(study: optuna.Study, context: Dict[str, Any]) -> None:
                              f"device as the study")
 
 
-def _stop_before(timeout: Optional[float], say: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
+def _stop_before(timeout: Optional[float], say: Callable[[str], None], start: float,
+                 clock: Callable[[], float] = time.monotonic):
     """A study callback that stops this worker when the next trial, as long as the longest of the
-    last three, would end more than ``timeout`` seconds after this call (None: never)."""
-    deadline = None if timeout is None else clock() + timeout
-    recent: list = []
+    last three completed ones (of any trial while none completed: a trial pruned early is short
+    and says little of the next), would end more than ``timeout`` seconds after ``start`` (a
+    ``clock`` reading; None: never)."""
+    deadline = None if timeout is None else start + timeout
+    recent: list = []  # durations of the last completed trials
+    other: list = []  # of the others, while none completed
 
     def stop(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         if deadline is None or trial.duration is None:
             return
-        recent[:] = (recent + [trial.duration.total_seconds()])[-3:]
+        seconds = trial.duration.total_seconds()
+        if trial.state == optuna.trial.TrialState.COMPLETE:
+            recent[:] = (recent + [seconds])[-3:]
+        else:
+            other[:] = (other + [seconds])[-3:]
+        pace = recent or other
         left = deadline - clock()
-        if 0 < left < max(recent):
+        if 0 < left < max(pace):
             say(f"fastopt tune: stopping: {left:.0f} s of --timeout left, trials take up to "
-                f"{max(recent):.0f} s")
+                f"{max(pace):.0f} s")
             study.stop()
 
     return stop
@@ -222,6 +232,8 @@ def phases_line(phases: Optional[Dict[str, float]]) -> str:
     """`` | build 9.1 s, check 1.2 s, ...``: where a trial's wall time went ('' when unknown)."""
     if not phases:
         return ""
+    # warm-up: host time until its last step was issued (on CUDA, its unfinished device work is
+    # in the window's time)
     return " | " + ", ".join(f"{name.replace('warmup', 'warm-up')} {sec:.1f} s" for name, sec in phases.items())
 
 

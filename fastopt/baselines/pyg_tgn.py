@@ -82,10 +82,11 @@ def run_pyg_tgn(graph, *, batch_size: int = 600, epochs: int = 1, device="cpu", 
         modules: applied to the memory (``TGNMemory``) and to the embedding module (time
             encoding and ``TransformerConv``) once built; the model trains what it returns
             (``fastopt.optimize``: the optimized modules, sharing the parameters).
-        perturb: scale every initial parameter by ``1 + perturb * N(0, 1)``, drawn from a
-            generator of its own (torch's stream, hence dropout and everything after, untouched):
-            ``1e-7`` is a control run of the example whose distance from the plain run is what
-            rounding alone moves its results by (training amplifies float32 differences).
+        perturb: scale every initial parameter by ``1 + perturb * N(0, 1)`` (in float64, then
+            rounded back; zeros stay zero), drawn from a generator of its own (torch's stream,
+            hence dropout and everything after, untouched): ``1e-7`` changes most parameters by
+            about one float32 step, a control run of the example whose distance from the plain
+            run is what rounding alone moves its results by (training amplifies such differences).
 
     Returns:
         ``{"epoch_seconds": [float], "loss": [float], "val": {"ap", "auc"}, "test": {"ap", "auc"},
@@ -119,8 +120,9 @@ def run_pyg_tgn(graph, *, batch_size: int = 600, epochs: int = 1, device="cpu", 
     if perturb:
         noise = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
-            for param in model.parameters():
-                param.mul_(1 + perturb * torch.randn(param.shape, generator=noise).to(param.device))
+            for param in model.parameters():  # in float64: 1 + 1e-7 n is not a float32 multiplier
+                scale = 1 + perturb * torch.randn(param.shape, generator=noise, dtype=torch.float64)
+                param.copy_((param.double() * scale.to(param.device)).to(param.dtype))
     if modules is not None:
         model.apply_to_modules(modules)
     optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)

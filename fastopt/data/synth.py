@@ -131,6 +131,7 @@ BLOCK_EVENTS = 1 << 17
 # each a tile of FEATURE_ROWS events at a time from the tile's own stream (a block holds 16)
 FEATURE_THREADS = 16
 FEATURE_ROWS = 1 << 13
+assert BLOCK_EVENTS % FEATURE_ROWS == 0  # chunks of whole blocks start on whole tiles
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,8 @@ def gdelt_chunks(profile: GdeltProfile, num_events: int, *, seed: int = 0,
     blocks = -(-num_events // BLOCK_EVENTS)
     threads = max(1, min(FEATURE_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                          else (os.cpu_count() or 1)))
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastopt-synth") as pool:
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastopt-synth")
+    try:
         for first in range(0, blocks, per_chunk):
             ids = range(first, min(first + per_chunk, blocks))
             sizes = [min(BLOCK_EVENTS, num_events - b * BLOCK_EVENTS) for b in ids]
@@ -239,6 +241,10 @@ def gdelt_chunks(profile: GdeltProfile, num_events: int, *, seed: int = 0,
             for fill in fills:
                 fill.result()
             yield tuple(np.concatenate([p[k] for p in parts]) for k in range(3)) + (feat,)
+    except BaseException:  # an error or Ctrl-C: drop the fills not started, do not wait for them
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
 
 
 def _fill_features(out: np.ndarray, seed: int, tile: int) -> None:

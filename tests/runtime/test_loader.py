@@ -442,7 +442,7 @@ def test_loader_feeds_the_future_policy_ahead(small_graph):
 @pytest.mark.parametrize("depth,async_sampling", [(2, True), (0, False)])
 def test_an_epoch_left_early_leaves_the_cached_loader_usable(small_graph, depth, async_sampling):
     """Batches staged but never consumed have their cache lookups finished when the epoch closes;
-    the next epoch and an ad-hoc lookup (not announced) run under the future policy."""
+    the next epoch runs under the future policy, and an ad-hoc batch reads past the cache."""
     loader = cached_loader(small_graph, "future", depth, async_sampling)
     reference = run_epochs(cached_loader(small_graph, "future", depth, async_sampling), epochs=1)[0]
     loader.sampler.reset(0)

@@ -181,10 +181,13 @@ def test_progress_bar_on_a_terminal_lines_elsewhere(small_graph, config, tmp_pat
 
 
 def test_the_timeout_stops_before_a_trial_that_would_end_after_it():
-    """--timeout bounds the study's wall time: after each trial, the worker stops when the longest
-    of the last three trials no longer fits in the time left (Optuna's own timeout only keeps
-    new trials from starting once it has passed)."""
+    """--timeout bounds the call's wall time: after each trial, the worker stops when the longest
+    of the last three completed trials no longer fits in the time left (Optuna's own timeout only
+    keeps new trials from starting once it has passed); trials pruned early, being short, set the
+    pace only while none has completed."""
     import datetime
+
+    from optuna.trial import TrialState
 
     from fastopt.tuner.study import _stop_before
 
@@ -195,21 +198,24 @@ def test_the_timeout_stops_before_a_trial_that_would_end_after_it():
             self.stopped = True
 
     class Trial:
-        def __init__(self, seconds):
-            self.duration = datetime.timedelta(seconds=seconds)
+        def __init__(self, seconds, state=TrialState.COMPLETE):
+            self.duration, self.state = datetime.timedelta(seconds=seconds), state
 
-    now, lines = [0.0], []
-    stop, study = _stop_before(100.0, lines.append, clock=lambda: now[0]), Study()
-    for end, took in [(40, 40), (50, 10), (60, 10), (70, 10)]:  # at 60: 40 s left, a 40 s trial fits
+    now, lines = [10.0], []
+    stop, study = _stop_before(100.0, lines.append, start=0.0, clock=lambda: now[0]), Study()
+    stop(study, Trial(20, TrialState.PRUNED))  # 80 s left, none completed: 20 s is the pace
+    assert not study.stopped
+    for end, took in [(40, 30), (50, 10), (60, 10)]:  # at 60: 40 s left, the 30 s trial fits
         now[0] = end
         stop(study, Trial(took))
         assert not study.stopped, end
-    now[0] = 80  # 20 s left; the last three took 10 s
-    stop(study, Trial(10))
-    assert not study.stopped
-    now[0] = 95  # 5 s left
-    stop(study, Trial(15))
-    assert study.stopped and lines == ["fastopt tune: stopping: 5 s of --timeout left, trials take up to 15 s"]
+    for end in (62, 64, 66):  # pruned early: they do not shorten the pace of completed trials
+        now[0] = end
+        stop(study, Trial(4, TrialState.PRUNED))
+        assert not study.stopped, end
+    now[0] = 75  # 25 s left; the last three completed took 30, 10, 10 s
+    stop(study, Trial(2, TrialState.PRUNED))
+    assert study.stopped and lines == ["fastopt tune: stopping: 25 s of --timeout left, trials take up to 30 s"]
     never = Study()
-    _stop_before(None, lines.append, clock=lambda: 1e9)(never, Trial(1e6))
+    _stop_before(None, lines.append, start=0.0, clock=lambda: 1e9)(never, Trial(1e6))
     assert not never.stopped
