@@ -43,6 +43,7 @@ from torch import nn
 
 from fastopt.config import Config
 from fastopt.errors import ConfigError, FastOptError
+from fastopt.runtime.timing import STAGES
 
 __all__ = ["CONTENDERS", "BenchResult", "run_bench", "format_table", "verify_against_eager", "git_commit"]
 
@@ -234,7 +235,7 @@ def run_bench(graph, model_name: str, base: Config, contenders: Sequence[str] = 
         result.epoch_seconds = [h["seconds"] for h in history]
         steady = history[1:] or history
         result.stages = {k: statistics.median(h["stages"].get(k, 0.0) for h in steady)
-                         for k in ("sample", "gather", "forward", "backward", "update", "step")}
+                         for k in STAGES}
         result.bytes_h2d = statistics.median(h["bytes_h2d"] for h in steady)
         result.peak_device_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         result.peak_host_bytes = peak_host_bytes()
@@ -314,14 +315,14 @@ def peak_host_bytes() -> int:
 def format_table(results: Sequence[BenchResult], baseline: str = "eager") -> str:
     """The results as an aligned text table; speedups against ``baseline``'s steady epoch."""
     ref = next((r.steady for r in results if r.contender == baseline), float("nan"))
-    head = ["contender", "s/epoch", "first s", f"x {baseline}", "sample", "gather", "forward",
-            "backward", "update", "step", "H2D MB/ep", "peak MB", "host MB", "val AP", "test AP"]
+    head = ["contender", "s/epoch", "first s", f"x {baseline}", *STAGES,
+            "H2D MB/ep", "peak MB", "host MB", "val AP", "test AP"]
     rows = [head]
     for r in results:
         st = r.stages
         rows.append([r.contender, f"{r.steady:.3f}", f"{r.first:.3f}", f"{ref / r.steady:.2f}",
                      *(f"{st.get(k, float('nan')):.3f}" if st else "-"
-                       for k in ("sample", "gather", "forward", "backward", "update", "step")),
+                       for k in STAGES),
                      f"{r.bytes_h2d / 1e6:.1f}", f"{r.peak_device_bytes / 1e6:.0f}",
                      f"{r.peak_host_bytes / 1e6:.0f}" if r.peak_host_bytes else "-",
                      f"{r.val_ap:.4f}", f"{r.test_ap:.4f}"])

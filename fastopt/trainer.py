@@ -29,11 +29,11 @@ from fastopt.metrics import average_precision, mrr, roc_auc
 from fastopt.runtime.flatten import flatten, unflatten
 from fastopt.runtime.inputs import GraphInputs
 from fastopt.runtime.loader import EventBatch, Loader, NegativeSampler, StageTimer
+from fastopt.runtime.timing import STAGES
 
 __all__ = ["Trainer", "EventBatch", "resolve_device", "make_sampler", "make_optimizer", "NegativeSampler",
            "progress_bar", "read_checkpoint", "tuning_fingerprint"]
 
-STAGES = ("sample", "gather", "forward", "backward", "update", "step")
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -377,7 +377,6 @@ class Trainer:
     @_memory_advice("the training step")
     def train_epoch(self, epoch: int) -> EpochStats:
         """One pass over the training events in chronological batches."""
-        model = self.model
         timer = self._begin_epoch(epoch)
         split = self.graph.split_range("train")
         total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
