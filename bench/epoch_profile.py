@@ -9,7 +9,10 @@ operators with the most host time and the most device time, and the epoch's stag
 ``--loader`` profiles the loader's producer instead (``Loader.stage`` of one epoch's batches,
 called in turn on this thread, under cProfile): where the host time that feeds the step goes.
 ``--shapes`` runs without CUDA graphs (a replayed graph hides its operators from the profiler)
-and lists the matrix products grouped by their input shapes, by device time.
+and lists the matrix products grouped by their input shapes, by device time. On CUDA it also
+says how long the device sat idle in the profiled epoch (no kernel running on any stream) and
+where the longest gaps fell, between which kernels: an epoch longer than its device time is
+waiting on the host or the loader there.
 
 A diagnostic, not a comparison: it times nothing against eager and records no result. It still
 checks what it runs: an epoch whose mean loss is not finite, or an optimized model whose outputs
@@ -23,7 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from typing import List
+from typing import List, Tuple
 
 import torch
 
@@ -88,9 +91,34 @@ def main(argv=None) -> int:
         print(f"{'op':<12} {'calls':>6} {'device ms':>10}  input shapes")
         for e in products[: args.rows]:
             print(f"{e.key:<12} {e.count:>6} {e.device_time_total / 1e3:>10.1f}  {e.input_shapes}")
+    if torch.cuda.is_available():
+        kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Memcpy")]
+        print(idle_report(kernels, args.rows))
     if args.trace:
         prof.export_chrome_trace(args.trace)
     return 0
+
+
+def idle_report(kernels: List[Tuple[float, float, str]], rows: int) -> str:
+    """How long no kernel ran between the first kernel's start and the last one's end, and the
+    ``rows`` longest such gaps with the kernels around them (times in microseconds)."""
+    if not kernels:
+        return "device idle: no kernel was recorded"
+    kernels = sorted(kernels)
+    gaps, end, last = [], kernels[0][1], kernels[0][2]
+    for start, stop, name in kernels[1:]:
+        if start > end:
+            gaps.append((start - end, last, name))
+        if stop > end:
+            end, last = stop, name
+    span = end - kernels[0][0]
+    idle = sum(g for g, _, _ in gaps)
+    lines = [f"device idle: {idle / 1e3:.1f} ms of {span / 1e3:.1f} ms ({100 * idle / max(span, 1e-9):.1f} %) "
+             f"in {len(gaps)} gaps, {sum(g > 50 for g, _, _ in gaps)} of them over 50 us; the longest:"]
+    for gap, before, after in sorted(gaps, reverse=True)[:rows]:
+        lines.append(f"  {gap / 1e3:8.3f} ms  after {before[:60]}  before {after[:60]}")
+    return "\n".join(lines)
 
 
 def loss_failures(stats) -> List[str]:

@@ -311,6 +311,18 @@ def test_epoch_profile_profiles_a_model_that_agrees_with_eager(monkeypatch, wiki
     assert "profiled epoch" in out and "WRONG RESULT" not in out
 
 
+def test_idle_report_counts_the_time_no_kernel_runs():
+    """Overlapping kernels (two streams) are one busy stretch; the gaps between stretches are the
+    idle time, the longest first, named by the kernels around them."""
+    report = load("epoch_profile").idle_report
+    kernels = [(0, 100, "a"), (50, 120, "b"), (200, 260, "c"), (230, 240, "d"), (1260, 1300, "e")]
+    text = report(kernels, rows=2)
+    assert text.splitlines()[0] == "device idle: 1.1 ms of 1.3 ms (83.1 %) in 2 gaps, 2 of them over 50 us; the longest:"
+    assert text.splitlines()[1].split() == ["1.000", "ms", "after", "c", "before", "e"]
+    assert text.splitlines()[2].split() == ["0.080", "ms", "after", "b", "before", "c"]
+    assert report([], rows=3) == "device idle: no kernel was recorded"
+
+
 def test_epoch_profile_fails_on_a_wrong_gradient(monkeypatch, wikipedia, capsys, wrong_backward):
     script = _small_epoch_profile(monkeypatch, wikipedia)
     _wrong_attention_gradient(monkeypatch, wrong_backward)
