@@ -24,6 +24,7 @@ Layering: imports nothing of fastopt but :mod:`fastopt.errors`.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -179,7 +180,8 @@ def end_generator_capture(device: torch.device) -> None:
     A capture that fails never reaches the generator's capture epilogue, and every later random
     draw would fail ("Offset increment outside graph capture"); an empty successful capture runs
     the prologue and epilogue once more. Waits for the device first; never raises (the failed
-    capture's own error is what the caller reports).
+    capture's own error is what the caller reports), but warns when the repair itself fails, since
+    random draws on that device may fail from then on.
     """
     try:
         torch.cuda.synchronize(device)
@@ -188,8 +190,10 @@ def end_generator_capture(device: torch.device) -> None:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             torch.zeros(1, device=device).add_(1)
         del graph
-    except Exception:  # noqa: BLE001 - see above
-        pass
+    except Exception as exc:  # noqa: BLE001 - see above
+        warnings.warn(f"fastopt: could not leave the CUDA generator's capture mode after a failed "
+                      f"capture ({type(exc).__name__}: {exc}); random draws on {device} may fail "
+                      f"from here on: restart the process if they do", RuntimeWarning, stacklevel=2)
 
 
 class GraphPair:

@@ -36,8 +36,9 @@ An exception in a background thread is raised in the consuming thread at the bat
 happened; leaving the ``with`` block (normally, by an exception or Ctrl-C) stops the threads and
 waits for them.
 
-Layering: imports nothing of fastopt but :mod:`fastopt.config` and other runtime modules. The graph is duck-typed (``src``, ``dst``, ``ts``, ``edge_feat``,
-``node_feat``, ``num_nodes``, ``split_range``, ``destination_pool``).
+Layering: imports nothing of fastopt but :mod:`fastopt.config` and other runtime modules. The
+graph is duck-typed (``src``, ``dst``, ``ts``, ``edge_feat``, ``node_feat``, ``num_nodes``,
+``split_range``, ``destination_pool``).
 """
 
 from __future__ import annotations

@@ -504,3 +504,15 @@ def test_tensors_grouped_by_kind_for_copies_and_gradient_buffers():
     assert [layout for _, layout in groups] == [[(0, 0, (2, 3)), (2, 6, (0, 5)), (3, 6, (5,))],
                                                 [(4, 0, (4,))]]
     assert torch.equal(groups[0][0], torch.cat([a.reshape(-1), d]))
+
+
+def test_a_failed_generator_repair_warns_and_does_not_raise(monkeypatch):
+    """end_generator_capture never raises (the capture's own error is what its caller reports),
+    but says when the repair itself failed: random draws may fail from then on."""
+    def no_device(device=None):
+        raise RuntimeError("no CUDA device here")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", no_device)
+    with pytest.warns(RuntimeWarning, match="could not leave the CUDA generator's capture mode .*"
+                                            "RuntimeError: no CUDA device here.*restart the process"):
+        capture.end_generator_capture(torch.device("cuda"))
