@@ -108,6 +108,9 @@ def run_pyg_tgn(graph, *, batch_size: int = 600, epochs: int = 1, device="cpu", 
     pyg = _import_pyg()
     _check_args(batch_size=batch_size, epochs=epochs, memory_dim=memory_dim, time_dim=time_dim,
                 embedding_dim=embedding_dim, neighbors=neighbors)
+    if isinstance(perturb, bool) or not isinstance(perturb, (int, float)) or not 0 <= perturb < 1:
+        raise ConfigError(f"perturb must be a number in [0, 1) (got {perturb!r}); pass 1e-7 for a "
+                          f"rounding-level control run, or 0")
     dev = torch.device(device)
     on_cuda = dev.type == "cuda"
     torch.manual_seed(seed)

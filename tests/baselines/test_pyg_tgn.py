@@ -77,3 +77,12 @@ def test_perturb_scales_the_initial_parameters_and_nothing_else(college, monkeyp
     assert torch.equal(draw, draw_again) and torch.equal(draw, draw_perturbed)
     changed = [((p - q).abs() / q.abs().clamp(min=1e-12)).max() for p, q in zip(perturbed, plain) if q.abs().sum() > 0]
     assert changed and all(1e-5 < c < 1e-1 for c in changed)
+
+
+@pytest.mark.parametrize("perturb", [-1e-7, 1.0, float("nan"), "1e-7", True])
+def test_a_bad_perturbation_is_refused(college, perturb):
+    pytest.importorskip("torch_geometric")
+    from fastopt.baselines.pyg_tgn import run_pyg_tgn
+
+    with pytest.raises(FastOptError, match=r"perturb must be a number in \[0, 1\) .*pass 1e-7"):
+        run_pyg_tgn(college, batch_size=200, epochs=1, perturb=perturb)
