@@ -50,7 +50,7 @@ def test_missing_pyg_names_the_extra(college, monkeypatch):
         run_pyg_tgn(college)
 
 
-def test_perturb_scales_the_initial_parameters_and_nothing_else(college, monkeypatch):
+def test_perturb_scales_the_initial_parameters_and_nothing_else(small_graph, monkeypatch):
     """``perturb`` changes each initial parameter by that relative amount, from a generator of its
     own: the parameters of two plain runs of a seed are equal, and torch's stream (dropout,
     everything after) is where the plain run has it."""
@@ -70,7 +70,7 @@ def test_perturb_scales_the_initial_parameters_and_nothing_else(college, monkeyp
     seen = {}
     for name, perturb in [("plain", 0.0), ("again", 0.0), ("perturbed", 1e-3)]:
         with pytest.raises(Built) as got:
-            run_pyg_tgn(college, batch_size=200, epochs=1, seed=3, perturb=perturb)
+            run_pyg_tgn(small_graph, batch_size=200, epochs=1, seed=3, perturb=perturb)
         seen[name] = got.value.args
     (plain, draw), (again, draw_again), (perturbed, draw_perturbed) = seen.values()
     assert all(torch.equal(a, b) for a, b in zip(plain, again, strict=True))
@@ -80,9 +80,9 @@ def test_perturb_scales_the_initial_parameters_and_nothing_else(college, monkeyp
 
 
 @pytest.mark.parametrize("perturb", [-1e-7, 1.0, float("nan"), "1e-7", True])
-def test_a_bad_perturbation_is_refused(college, perturb):
+def test_a_bad_perturbation_is_refused(small_graph, perturb):
     pytest.importorskip("torch_geometric")
     from fastopt.baselines.pyg_tgn import run_pyg_tgn
 
     with pytest.raises(FastOptError, match=r"perturb must be a number in \[0, 1\) .*pass 1e-7"):
-        run_pyg_tgn(college, batch_size=200, epochs=1, perturb=perturb)
+        run_pyg_tgn(small_graph, batch_size=200, epochs=1, perturb=perturb)
