@@ -154,19 +154,28 @@ def profile_loader(trainer: Trainer, rows: int) -> int:
     import pstats
 
     loader = trainer.loader
-    batches = list(loader.plan("train", 0))
-    for batch in batches[:20]:
+
+    def fresh_epoch():
+        """The epoch's batches, none sampled yet, the sampler rewound (each pass samples all)."""
+        loader.sampler.reset(0)
+        return list(loader.plan("train", 0))
+
+    for batch in fresh_epoch()[:20]:
         loader.stage(batch)
     torch.cuda.synchronize() if torch.cuda.is_available() else None
+    batches = fresh_epoch()
     t0 = time.perf_counter()
     for batch in batches:
-        loader.sampler.sample(batch.roots, batch.times)
+        loader.sample(batch)  # the draws keyed by the batch, as staging threads make them
+        batch.sampled = None  # let it go, as the consumer does
     sample = time.perf_counter() - t0
+    batches = fresh_epoch()
     profiler = cProfile.Profile()
     t0 = time.perf_counter()
     profiler.enable()
     for batch in batches:
         loader.stage(batch)
+        batch.sampled = None  # freed once consumed, as in an epoch (kept, every batch's pages fault)
     profiler.disable()
     staged = time.perf_counter() - t0
     print(f"{len(batches)} batches: sampler.sample alone {sample:.3f} s, Loader.stage {staged:.3f} s "
