@@ -252,6 +252,34 @@ class SearchSpace:
                 params[knob.name] = knob.choices[0]
         return params
 
+    def neighbors(self, limit: int) -> List[Dict[str, Any]]:
+        """Up to ``limit`` variations of the baseline that change one knob each, in rounds:
+        every knob's first other choice, then every knob's second, and so on (knobs in the order
+        they are suggested), so that a short list still moves each knob once. A knob that
+        matters only under another's value is varied where the baseline makes it matter; a
+        change that makes such a knob matter gives it its first choice. A new study runs them
+        after the baseline (``tuner.neighbor_share``): a look around the defaults, which the
+        sampler's own search then starts from."""
+        base = self.baseline()
+        out: List[Dict[str, Any]] = []
+        seen = {tuple(sorted(base.items(), key=lambda kv: kv[0]))}
+        for r in range(1, max((len(k.choices) for k in self.knobs), default=1)):
+            for knob in self.knobs:
+                if len(out) >= limit:
+                    return out
+                if knob.name not in base or r >= len(knob.choices):
+                    continue
+                params: Dict[str, Any] = {}
+                for other in self.knobs:
+                    if other.when(params):
+                        params[other.name] = (knob.choices[r] if other is knob
+                                              else base.get(other.name, other.choices[0]))
+                key = tuple(sorted(params.items(), key=lambda kv: kv[0]))
+                if key not in seen:
+                    seen.add(key)
+                    out.append(params)
+        return out
+
     def values(self, params: Dict[str, Any]) -> Dict[str, Any]:
         """Config values of knob values: the per-op knobs joined into one
         ``kernels.op_overrides`` over the baseline's (0 and ``"auto"`` leave a field out), the

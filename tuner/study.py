@@ -5,7 +5,9 @@ attribute ``fastopt`` (model fingerprint, dataset signature, device, versions, t
 the baseline config as the study's first trial (so that the record compares the best config with
 the defaults measured in the same run), then the trials left to reach the total asked for.
 Several workers (processes, machines) may run :func:`tune` on one study in an RDB storage at once:
-the worker that creates the study enqueues the baseline, Optuna hands each trial to one worker,
+the worker that creates the study enqueues the baseline and the baseline's one-knob variations
+(:meth:`~fastopt.tuner.space.SearchSpace.neighbors`, ``tuner.neighbor_share`` of the trials)
+ahead of the sampler's own suggestions, Optuna hands each trial to one worker,
 and each worker stops once the study's finished and running trials reach the total.
 :func:`export_record` turns a study, finished or not, into a :class:`TuningRecord`.
 """
@@ -117,6 +119,8 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
         # only the worker that made the study gets here: the baseline is enqueued once
         _claim(study, context)
         study.enqueue_trial(space.baseline(), user_attrs={ROLE: "baseline"})
+        for params in space.neighbors(int(config.tuner.neighbor_share * (trials - 1))):
+            study.enqueue_trial(params, user_attrs={ROLE: "neighbor"})
 
     study = open_study(storage, name, seed=config.train.seed, on_create=first_open,
                        pruner=optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=0))
@@ -243,8 +247,9 @@ def _progress(total: int, say: Callable[[str], None], bar):
     holds the best so far and the last trial's outcome."""
     def report(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         head = f"trial {trial.number + 1}/{total}"
-        if trial.user_attrs.get(ROLE) == "baseline":
-            head += " (baseline)"
+        role = trial.user_attrs.get(ROLE)
+        if role:
+            head += " (baseline)" if role == "baseline" else " (one knob off the baseline)"
         if trial.state == optuna.trial.TrialState.COMPLETE:
             what = (f"{trial.value:.3f} s/epoch (step {trial.user_attrs['step_seconds'] * 1e3:.2f} ms) "
                     f"{values_line(trial.user_attrs.get('values', {}))}")

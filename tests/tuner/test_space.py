@@ -109,6 +109,70 @@ def test_the_baseline_is_the_config_and_comes_first(small_graph):
     assert applied.to_dict() == config.to_dict()
 
 
+def test_neighbors_change_one_knob_each_every_knob_before_any_twice(small_graph, two_cores):
+    space = space_for("tgn", small_graph, device="cuda")
+    base = space.baseline()
+    every = space.neighbors(10_000)
+    knobs = {k.name: k for k in space.knobs}
+    varied = []
+    for params in every:
+        changed = [n for n in params if n in base and params[n] != base[n]]
+        newly = [n for n in params if n not in base]
+        assert len(changed) == 1, params  # one knob of the baseline changed
+        varied.append(changed[0])
+        # a knob the change makes matter takes its first choice; the rest are the baseline's
+        assert all(params[n] == knobs[n].choices[0] for n in newly)
+        matter = {}  # a valid trial: every knob that matters given the others, and no other
+        for knob in space.knobs:
+            if knob.when(matter):
+                matter[knob.name] = params[knob.name]
+        assert matter == params
+        assert space.suggest(optuna.trial.FixedTrial(params))  # one the space accepts
+    others = sum(len(k.choices) - 1 for k in space.knobs if k.name in base)
+    assert len(every) == others and len({tuple(sorted(p.items())) for p in every}) == others
+    first_round = [n for n in base if len(knobs[n].choices) > 1]
+    assert varied[:len(first_round)] == first_round  # each knob once, in order, before any twice
+    host = next(p for p in every if p.get("cache.placement") == "host")
+    assert host["cache.budget_fraction"] == knobs["cache.budget_fraction"].choices[0]
+    assert space.neighbors(3) == every[:3] and space.neighbors(0) == []
+
+
+def test_a_new_study_runs_the_baseline_then_its_neighbors(small_graph, two_cores, tmp_path, monkeypatch):
+    """What the study enqueues: the baseline, then ``tuner.neighbor_share`` of the other trials
+    as one-knob variations, in :meth:`SearchSpace.neighbors` order."""
+    from fastopt.tuner import study as study_module
+
+    with pytest.raises(ConfigError, match="neighbor_share"):
+        bad = Config()
+        bad.set("tuner.neighbor_share", 1.5)
+        bad.validate()
+    config = Config()
+    config.set("tuner.neighbor_share", 0.5)
+    seen = []
+
+    class NewStudy:  # what the study's creator sees: it stores the context, then enqueues
+        def __init__(self):
+            self.user_attrs = {}
+
+        def set_user_attr(self, key, value):
+            self.user_attrs[key] = value
+
+        def enqueue_trial(self, params, user_attrs):
+            seen.append((params, user_attrs[study_module.ROLE]))
+
+    def created(storage, name, seed, on_create, pruner):
+        on_create(NewStudy())
+        raise RuntimeError("stop once the trials are enqueued")
+
+    monkeypatch.setattr(study_module, "open_study", created)
+    with pytest.raises(RuntimeError, match="stop once"):
+        study_module.tune(small_graph, "tgn", config, trials=9, storage=str(tmp_path / "s.db"),
+                          say=lambda _: None)
+    space = space_for("tgn", small_graph)
+    assert seen[0] == (space.baseline(), "baseline")
+    assert seen[1:] == [(p, "neighbor") for p in space.neighbors(4)]  # half of the 8 after it
+
+
 def test_batch_size_only_from_the_list_the_user_allows(small_graph):
     assert "train.batch_size" not in space_for("tgn", small_graph).names
     space = space_for("tgn", small_graph, batch_sizes=[600, 200, 600])
