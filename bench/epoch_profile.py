@@ -8,6 +8,11 @@ operators with the most host time and the most device time, and the epoch's stag
 
 ``--loader`` profiles the loader's producer instead (``Loader.stage`` of one epoch's batches,
 called in turn on this thread, under cProfile): where the host time that feeds the step goes.
+``--pipeline N`` runs N epochs as ``fit`` does (training, then validation) with nothing
+profiled, one line each: the epoch, its stages, the steps captured in it, the padded lengths it
+ended with, the seconds the staging threads spent sampling and staging (sampling included)
+and the training thread finishing batches (``Loader.finish``), and the minor page faults:
+whether an epoch waits on its producer, and why.
 ``--shapes`` runs without CUDA graphs (a replayed graph hides its operators from the profiler)
 and lists the matrix products grouped by their input shapes, by device time. On CUDA it also
 says how long the device sat idle in the profiled epoch (no kernel running on any stream) and
@@ -49,6 +54,8 @@ def main(argv=None) -> int:
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
     p.add_argument("--shapes", action="store_true", help="matrix products by input shape (no CUDA graphs)")
     p.add_argument("--loader", action="store_true", help="profile the loader's producer (cProfile)")
+    p.add_argument("--pipeline", type=int, default=0, metavar="EPOCHS",
+                   help="EPOCHS epochs as fit runs them, a line each: stages, captures, producer time")
     args = p.parse_args(argv)
     cfg = default_config().copy()
     cfg.train.batch_size = args.batch_size
@@ -60,6 +67,9 @@ def main(argv=None) -> int:
     trainer = Trainer(build_model(args.model, graph), graph, cfg, progress=False)
     if args.loader:
         return profile_loader(trainer, args.rows)
+    if args.pipeline:
+        return profile_pipeline(trainer, args.pipeline) or report_wrong(
+            eager_disagreement(trainer, args.model, graph))
     wrong = []
     for epoch in range(2):
         t0 = time.perf_counter()
@@ -97,6 +107,50 @@ def main(argv=None) -> int:
         print(idle_report(kernels, args.rows))
     if args.trace:
         prof.export_chrome_trace(args.trace)
+    return 0
+
+
+def profile_pipeline(trainer: Trainer, epochs: int) -> int:
+    """``epochs`` epochs of training then validation, a line each (see the module docstring);
+    1 (after printing why) when an epoch's mean loss is not finite."""
+    import resource
+    import threading
+    from collections import defaultdict
+
+    loader, spent, lock = trainer.loader, defaultdict(float), threading.Lock()
+
+    def timed(name, method):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                with lock:
+                    spent[name] += time.perf_counter() - t0
+        return call
+
+    for name in ("sample", "stage", "finish"):  # the loader's own calls go through these too
+        setattr(loader, name, timed(name, getattr(loader, name)))
+    graphs = trainer._step_graphs  # None: no whole-step capture on this device
+    for epoch in range(epochs):
+        spent.clear()
+        captured = graphs.captures if graphs is not None else 0
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        stats = trainer.train_epoch(epoch)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        captured = (graphs.captures - captured) if graphs is not None else 0
+        wrong = loss_failures(stats)
+        if wrong:  # before validation, which refuses non-finite scores
+            return report_wrong(wrong)
+        t0 = time.perf_counter()
+        trainer.evaluate("val")
+        trainer.epoch = epoch + 1
+        print(f"epoch {epoch}: {stats.seconds:.3f} s, stages "
+              + " ".join(f"{k}={v:.3f}" for k, v in stats.stages.items())
+              + f"; {captured} step(s) captured; staging threads sample={spent['sample']:.3f} "
+              f"stage={spent['stage']:.3f} s, training thread finish={spent['finish']:.3f} s; "
+              f"{faults} minor faults; validation {time.perf_counter() - t0:.2f} s; "
+              f"padded lengths {dict(loader.high_water.lengths)}", flush=True)
     return 0
 
 
@@ -142,10 +196,10 @@ def eager_disagreement(trainer: Trainer, model: str, graph) -> List[str]:
 
 
 def report_wrong(wrong: List[str]) -> int:
-    """Print each wrong result; the exit status (1)."""
+    """Print each wrong result; the exit status (1, or 0 when there is none)."""
     for line in wrong:
         print(f"WRONG RESULT: {line}")
-    return 1
+    return 1 if wrong else 0
 
 
 def profile_loader(trainer: Trainer, rows: int) -> int:

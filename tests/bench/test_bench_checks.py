@@ -341,6 +341,27 @@ def test_epoch_profile_fails_on_a_non_finite_loss(monkeypatch, wikipedia, capsys
     assert "WRONG RESULT: epoch 0's mean loss is nan" in out and "profiled epoch" not in out
 
 
+def test_epoch_profile_pipeline_lines_and_its_checks(monkeypatch, wikipedia, capsys, wrong_backward):
+    """``--pipeline N``: a line per epoch with the producer's seconds; a model that disagrees
+    with eager after them, or a non-finite loss, fails it."""
+    script = _small_epoch_profile(monkeypatch, wikipedia)
+    assert script.main(_EPOCH_ARGS + ["--pipeline", "2"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch ")]
+    assert [line.split(":")[0] for line in lines] == ["epoch 0", "epoch 1"]
+    for line in lines:
+        stage = float(line.split(" stage=")[1].split()[0])
+        sample = float(line.split(" sample=")[2].split()[0])  # the first sample= is the stage's
+        assert 0 < sample <= stage and "minor faults" in line and "padded lengths" in line
+    _wrong_attention_gradient(monkeypatch, wrong_backward)
+    assert script.main(_EPOCH_ARGS + ["--pipeline", "1"]) == 1
+    assert "WRONG RESULT: optimized tgat" in capsys.readouterr().out
+    real = torch.nn.functional.binary_cross_entropy_with_logits
+    monkeypatch.setattr(torch.nn.functional, "binary_cross_entropy_with_logits",
+                        lambda *a, **kw: real(*a, **kw) * float("nan"))
+    assert script.main(_EPOCH_ARGS + ["--no-optimize", "--pipeline", "1"]) == 1
+    assert "WRONG RESULT: epoch 0's mean loss is nan" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------- bench/slimcache_loader.py
 def test_slimcache_loader_bench_passes_and_fails_on_wrong_rows(monkeypatch, tmp_path, capsys):
     """The loader-path cache bench checks every run's served rows against the loader without a
