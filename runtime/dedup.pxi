@@ -88,19 +88,3 @@ cdef void _dedup_task(Task* t, Seg* segs) noexcept nogil:
         if g.source != NULL:
             for i in range(g.nsource):
                 g.out[i] = g.inv[g.source_inv[i]]
-
-
-cdef class _Scratch:
-    """One call's dedup bitmaps, over the id ranges of its sampler's tasks; a call takes a free
-    one (:meth:`TemporalSampler._take`) and gives it back, so concurrent calls never share one.
-    The bitmaps are left clear after each call."""
-
-    def __dealloc__(self):
-        cdef int i
-        if self.bitsets != NULL:
-            for i in range(self.ntasks):
-                _bitset_free(&self.bitsets[i])
-            free(self.bitsets)
-        if self.merge_bits != NULL:
-            _bitset_free(self.merge_bits)
-            free(self.merge_bits)

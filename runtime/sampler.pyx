@@ -62,6 +62,22 @@ OPENMP = HAVE_OPENMP  # whether this build runs its loops on OpenMP threads
 include "native.pxi"
 
 
+cdef class _Scratch:
+    """One call's dedup bitmaps, over the id ranges of its sampler's tasks; a call takes a free
+    one (:meth:`TemporalSampler._take`) and gives it back, so concurrent calls never share one.
+    The bitmaps are left clear after each call."""
+
+    def __dealloc__(self):
+        cdef int i
+        if self.bitsets != NULL:
+            for i in range(self.ntasks):
+                _bitset_free(&self.bitsets[i])
+            free(self.bitsets)
+        if self.merge_bits != NULL:
+            _bitset_free(self.merge_bits)
+            free(self.merge_bits)
+
+
 cdef enum:
     PREFETCH = 8  # rows ahead whose first T-CSR access is prefetched
     MAX_PREFETCH = 64  # uniform slots of a row drawn and prefetched before they are read
