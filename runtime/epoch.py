@@ -78,9 +78,9 @@ class EpochStream:
     """Staged batches of one pass, produced ahead on background threads when the pipeline asks.
 
     ``pipeline.stage_threads`` threads stage whole batches in turn (thread ``w`` batches ``w``,
-    ``w + n``, ...) and the consumer takes them in order: their sampler calls, packing and copies
-    run side by side. Uniform draws are keyed by the batch, so the batches are the same for any
-    number of threads.
+    ``w + n``, ...) and the consumer takes them in order: the compiled sampler runs one call at a
+    time, but a batch's packing and copies overlap the next one's sampling. Uniform draws are
+    keyed by the batch, so the batches are the same for any number of threads.
 
     With SlimCache one thread stages the batches in order, at most two of them ahead of the
     consumer (the cache's limit of staged lookups), and batches are sampled
@@ -99,7 +99,7 @@ class EpochStream:
         pipe = loader.config.pipeline
         depth = pipe.prefetch_depth if pipe.async_sampling else 0
         # 0 = 2 on CUDA, 1 on the CPU: there a batch has no copies to overlap with the next one's
-        # sampling, and a second thread would take a core from the step
+        # sampling (which runs one call at a time), and a second thread would take a core from the step
         workers = pipe.stage_threads or (2 if loader.cuda else 1)
         self._lookahead = 0
         self._room: Optional[threading.Semaphore] = None

@@ -71,20 +71,14 @@ cdef struct Layer:
     int64_t* out_indptr
 
 
-cdef class _Scratch:
-    # one call's dedup bitmaps (a call takes a free one: concurrent calls never share them)
-    cdef Bitset* bitsets  # one per dedup task
-    cdef Bitset* merge_bits  # merged repeats' keys (hop_dedup)
-    cdef int ntasks
-
-
 cdef class TemporalSampler:
     cdef Entry* _edges  # T-CSR entries, row by row, each row in time order
     cdef int64_t* _indptr  # [rows + 1] row starts
     cdef int64_t* _ptr  # [rows] per-row time pointer of the root layer
     cdef int64_t* _rows  # [num_nodes] node -> row under the reordering (NULL: identity)
     cdef int64_t* _fanout
-    cdef list _spare  # _Scratch objects no call holds
+    cdef Bitset* _bitsets  # one per dedup task
+    cdef Bitset* _merge_bits  # merged repeats' keys (hop_dedup)
     cdef int* _cpus  # CPU of each thread when pinned (NULL: not pinned)
     cdef int _num_layers
     cdef int _nthreads
@@ -110,10 +104,8 @@ cdef class TemporalSampler:
 
     cdef int _num_tasks(self)
     cdef bint _is_node_task(self, int i)
-    cdef _Scratch _new_scratch(self)
-    cdef _Scratch _take(self)
-    cdef tuple _merge(self, block, next_hint, str kind, Bitset* bits)
+    cdef tuple _merge(self, block, next_hint, str kind)
     cdef _pin(self, roots)
-    cdef _sample(self, roots, times, uint64_t counter, _Scratch scratch)
-    cdef tuple _plan_dedup(self, roots, list blocks, Task* tasks, Seg* segs, Bitset* bitsets)
+    cdef _sample(self, roots, times, uint64_t counter)
+    cdef tuple _plan_dedup(self, roots, list blocks, Task* tasks, Seg* segs)
     cdef _attach_dedup(self, batch, Task* tasks, tuple outputs)

@@ -15,8 +15,7 @@ How it is fast:
 * The root layer keeps a pointer per node that only moves forward: chronological batches find
   their prefix by stepping it a few entries; a root whose time went backwards (negatives, the
   destination half of a batch) binary-searches the part before the pointer. Threads race on a
-  pointer only benignly: every value it can hold is correct. So do concurrent calls (several
-  loader threads), which share nothing else: each takes its own dedup bitmaps.
+  pointer only benignly: every value it can hold is correct.
 * Deeper layers need no search: a neighbor reached through an event is sampled at that event's
   time, and its candidates end at the event's twin entry (less the few entries tied with it in
   time). Directed graphs have no twins and binary-search.
@@ -60,22 +59,6 @@ OPENMP = HAVE_OPENMP  # whether this build runs its loops on OpenMP threads
 
 
 include "native.pxi"
-
-
-cdef class _Scratch:
-    """One call's dedup bitmaps, over the id ranges of its sampler's tasks; a call takes a free
-    one (:meth:`TemporalSampler._take`) and gives it back, so concurrent calls never share one.
-    The bitmaps are left clear after each call."""
-
-    def __dealloc__(self):
-        cdef int i
-        if self.bitsets != NULL:
-            for i in range(self.ntasks):
-                _bitset_free(&self.bitsets[i])
-            free(self.bitsets)
-        if self.merge_bits != NULL:
-            _bitset_free(self.merge_bits)
-            free(self.merge_bits)
 
 
 cdef enum:
@@ -167,8 +150,7 @@ cdef class TemporalSampler:
             more roots, do not pad the training batches).
 
     Call :meth:`reset` at the start of every epoch: it rewinds the per-node time pointers and
-    advances the epoch of the random draws. Concurrent calls (several loader threads) run side
-    by side; with keyed draws (``batch=``) their batches do not depend on how they interleave.
+    advances the epoch of the random draws. Not reentrant: concurrent calls are serialized.
 
     The threads are those of the libgomp that torch loads, which reads ``OMP_WAIT_POLICY`` when
     torch is imported. On cores shared with other busy processes start Python with
@@ -182,10 +164,20 @@ cdef class TemporalSampler:
         self._ptr = NULL
         self._rows = NULL
         self._fanout = NULL
+        self._bitsets = NULL
+        self._merge_bits = NULL
         self._cpus = NULL
         self._num_layers = 0
 
     def __dealloc__(self):
+        cdef int i
+        if self._bitsets != NULL:
+            for i in range(self._num_tasks()):
+                _bitset_free(&self._bitsets[i])
+        free(self._bitsets)
+        if self._merge_bits != NULL:
+            _bitset_free(self._merge_bits)
+            free(self._merge_bits)
         free(self._edges)
         free(self._indptr)
         free(self._ptr)
@@ -233,7 +225,14 @@ cdef class TemporalSampler:
         self._fanout = <int64_t*>malloc(self._num_layers * sizeof(int64_t))
         for i, k in enumerate(self.fanouts):
             self._fanout[i] = k
-        self._spare = [self._new_scratch()]
+        if self.dedup:
+            self._bitsets = <Bitset*>calloc(self._num_tasks(), sizeof(Bitset))
+            for i in range(self._num_tasks()):
+                _bitset_init(&self._bitsets[i], self._num_nodes if self._is_node_task(i)
+                             else self._num_edges + 1)
+        if self.hop_dedup:  # keys: a twin entry (undirected) or an edge id (directed)
+            self._merge_bits = <Bitset*>calloc(1, sizeof(Bitset))
+            _bitset_init(self._merge_bits, (2 * self._num_edges if self.undirected else self._num_edges) + 1)
         self.reset(0)
 
     # ------------------------------------------------------------------ construction
@@ -267,28 +266,6 @@ cdef class TemporalSampler:
                     self._edges[b].twin = a
                     self._edges[a].twin = b
         free(cursor)
-
-    cdef _Scratch _new_scratch(self):
-        """Dedup bitmaps for one call: per task over its id range, and the merge keys' one."""
-        cdef _Scratch scratch = _Scratch()
-        cdef int i
-        if self.dedup:
-            scratch.ntasks = self._num_tasks()
-            scratch.bitsets = <Bitset*>calloc(scratch.ntasks, sizeof(Bitset))
-            for i in range(scratch.ntasks):
-                _bitset_init(&scratch.bitsets[i], self._num_nodes if self._is_node_task(i)
-                             else self._num_edges + 1)
-        if self.hop_dedup:  # keys: a twin entry (undirected) or an edge id (directed)
-            scratch.merge_bits = <Bitset*>calloc(1, sizeof(Bitset))
-            _bitset_init(scratch.merge_bits, (2 * self._num_edges if self.undirected else self._num_edges) + 1)
-        return scratch
-
-    cdef _Scratch _take(self):
-        """A free scratch (a new one when every one is in use: one per concurrent call)."""
-        try:
-            return self._spare.pop()  # list.pop and append are atomic under the GIL
-        except IndexError:
-            return self._new_scratch()
 
     cdef int _num_tasks(self):
         # per layer: nodes and edges; for the batch: nodes, and edges when there are 2+ layers
@@ -356,11 +333,7 @@ cdef class TemporalSampler:
                 self._pin(r)
             counter = self._batch if batch is None else int(batch)
             self._batch += 1
-        scratch = self._take()
-        try:
-            batch = self._sample(r, t, counter, scratch)
-        finally:
-            self._spare.append(scratch)
+            batch = self._sample(r, t, counter)
         if batch is None:
             check_roots(roots, times, self._num_nodes)  # raises with the offending value
             raise SamplerError("roots or times are invalid")
@@ -390,7 +363,7 @@ cdef class TemporalSampler:
             self.placement.cpus = None
             self.placement.reason = "the OS refused to pin threads; left them unpinned"
 
-    cdef _sample(self, roots, times, uint64_t counter, _Scratch scratch):
+    cdef _sample(self, roots, times, uint64_t counter):
         """Every layer, then every dedup of one batch. Each layer's rows are sampled in one
         section without the GIL; merged repeats (``hop_dedup``) are found between layers."""
         cdef int L = self._num_layers, l, nth = self._nthreads, nt = 0, ti
@@ -449,8 +422,7 @@ cdef class TemporalSampler:
                 if l + 1 == L:
                     break
                 if self.hop_dedup:
-                    dst, dst_t, valid, hint = self._merge(block, next_hint, f"hop{l}/{roots.shape[0]}",
-                                                          scratch.merge_bits)
+                    dst, dst_t, valid, hint = self._merge(block, next_hint, f"hop{l}/{roots.shape[0]}")
                 else:
                     dst, dst_t, valid, hint = nbr.view(-1), nts.view(-1), mask.view(-1), next_hint
                 m = dst.shape[0]
@@ -458,7 +430,7 @@ cdef class TemporalSampler:
                 nt = self._num_tasks()
                 tasks = <Task*>calloc(nt, sizeof(Task))
                 segs = <Seg*>calloc(4 * L + 1, sizeof(Seg))
-                outputs = self._plan_dedup(roots, blocks, tasks, segs, scratch.bitsets)
+                outputs = self._plan_dedup(roots, blocks, tasks, segs)
                 with nogil:
                     for ti in prange(2 * L, schedule="dynamic", chunksize=1, num_threads=nth,
                                      use_threads_if=total >= 4096):
@@ -474,7 +446,7 @@ cdef class TemporalSampler:
             free(tasks)
             free(segs)
 
-    cdef tuple _merge(self, block, next_hint, str kind, Bitset* bits):
+    cdef tuple _merge(self, block, next_hint, str kind):
         """:func:`~fastopt.runtime.blocks.merge_repeats` without the GIL: a slot's key is its
         twin entry (the event's entry in the neighbor's row: one per (neighbor, event); an
         undirected self loop's two entries take the smaller) or, on a directed graph, its edge
@@ -496,7 +468,7 @@ cdef class TemporalSampler:
         cdef const uint8_t* mask = <uint8_t*>_ptr(block.mask)
         cdef const int64_t* hint = NULL if next_hint is None else <int64_t*>_ptr(next_hint)
         cdef const Entry* edges = self._edges
-        task.first, task.nseg, task.offset, task.values, task.bits = 0, 1, 1, <int64_t*>_ptr(values), bits
+        task.first, task.nseg, task.offset, task.values, task.bits = 0, 1, 1, <int64_t*>_ptr(values), self._merge_bits
         seg.ids, seg.inv, seg.n, seg.source = key, inv, n, NULL
         with nogil:
             for s in range(n):
@@ -544,7 +516,7 @@ cdef class TemporalSampler:
         block.nbr_rows, block.row_slots = nbr_rows, row_slots
         return dst, dst_t, valid, row_hint
 
-    cdef tuple _plan_dedup(self, roots, list blocks, Task* tasks, Seg* segs, Bitset* bitsets):
+    cdef tuple _plan_dedup(self, roots, list blocks, Task* tasks, Seg* segs):
         """Point the dedup tasks at their id arrays; allocate their inverses and value buffers.
 
         Tasks: layer l's nodes (l < L), layer l's edges (L + l), the batch's nodes (2L: the
@@ -564,7 +536,7 @@ cdef class TemporalSampler:
         values, remaps = [], []
         for ti in range(nt):
             node_task = self._is_node_task(ti)
-            tasks[ti].bits = &bitsets[ti]
+            tasks[ti].bits = &self._bitsets[ti]
             tasks[ti].offset = 0 if node_task else 1
             tasks[ti].first = s
             cap = 0

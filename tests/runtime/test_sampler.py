@@ -294,46 +294,6 @@ def test_batch_keys_fix_the_draws_whatever_the_call_order(wikipedia):
         s.sample(*queries[0], batch=-1)
 
 
-@pytest.mark.parametrize("strategy", ["uniform", "recent"])
-def test_concurrent_calls_give_the_batches_of_serial_calls(wikipedia, strategy):
-    """Loader threads call one sampler at once: each call takes its own dedup bitmaps and the
-    per-node time pointers race only benignly, so keyed batches (merged repeats and every
-    unique/inverse included) are those of calls made one after another."""
-    import threading
-
-    s = TemporalSampler(wikipedia, [10, 10], strategy, threads=2, seed=5, hop_dedup=True)
-    size = 300
-    queries = []
-    for b, start in enumerate(range(20_000, 38_000, size)):
-        e = slice(start, start + size)
-        queries.append((np.concatenate([wikipedia.src[e], wikipedia.dst[e]]),
-                        np.concatenate([wikipedia.ts[e]] * 2)))
-    serial = [s.sample(r, t, batch=b) for b, (r, t) in enumerate(queries)]
-    s.reset(s.epoch)
-    concurrent = [None] * len(queries)
-    start = threading.Barrier(4)
-
-    def work(w):
-        start.wait()
-        for b in range(w, len(queries), 4):
-            concurrent[b] = s.sample(*queries[b], batch=b)
-
-    threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for a, b in zip(serial, concurrent):
-        assert_blocks_equal(a, b)
-        for x, y in zip(a.blocks, b.blocks):
-            assert torch.equal(x.nbr_rows if x.nbr_rows is not None else x.mask,
-                               y.nbr_rows if y.nbr_rows is not None else y.mask)
-        for field in ("unique_nodes", "unique_eids"):
-            assert torch.equal(getattr(a, field).values, getattr(b, field).values)
-            assert torch.equal(getattr(a, field).inverse, getattr(b, field).inverse)
-        assert_uniques(b)
-
-
 def test_limit_uses_only_the_first_events(wikipedia):
     end = wikipedia.train_end
     fast = TemporalSampler(wikipedia, [10], "recent", limit=end)
