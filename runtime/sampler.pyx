@@ -49,7 +49,7 @@ from fastopt.errors import SamplerError
 from fastopt.runtime.blocks import SampledBatch, TemporalBlock, Unique
 from fastopt.runtime.inputs import HighWater
 from fastopt.runtime.reorder import node_rows
-from fastopt.runtime.topology import plan_placement, read_topology, static_chunks
+from fastopt.runtime.topology import plan_placement, read_topology, static_chunks, usable_cpus
 from fastopt.runtime.validate import (check_fanouts, check_graph_arrays, check_roots, check_sample_size,
                                       check_threads)
 
@@ -113,7 +113,7 @@ def _warn_if_spinning_on_busy_cores(int threads):
     env = _startup_environ()
     if threads < 2 or not HAVE_OPENMP or "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
         return
-    cpus = len(os.sched_getaffinity(0))
+    cpus = usable_cpus()
     load = os.getloadavg()[0]
     if load > cpus - threads + 0.5:
         warnings.warn(
@@ -192,7 +192,7 @@ cdef class TemporalSampler:
         self.fanouts = check_fanouts(fanouts, strategy)
         self.strategy = strategy
         if threads is None:
-            threads = cfg.threads or len(os.sched_getaffinity(0))
+            threads = cfg.threads or usable_cpus()
         self.threads = check_threads(threads)
         _warn_if_spinning_on_busy_cores(self.threads)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["CpuTopology", "Placement", "read_topology", "plan_placement", "static_chunks"]
+__all__ = ["CpuTopology", "Placement", "read_topology", "plan_placement", "static_chunks", "usable_cpus"]
 
 SYSFS_CPU = "/sys/devices/system/cpu"
 
@@ -42,6 +42,14 @@ class Placement:
     reason: str
     pairs: List[Tuple[int, int]] = field(default_factory=list)
     level: Optional[int] = None
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask where the OS keeps one, else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _parse_cpu_list(text: str) -> List[int]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -32,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from fastopt.codegen.kernel_config import MAX_TILE, next_power_of_2, op_problem
 from fastopt.config import Config, format_op_overrides, parse_op_overrides
 from fastopt.errors import ConfigError
+from fastopt.runtime.topology import usable_cpus
 
 __all__ = ["FusedOp", "Knob", "SearchSpace", "SpaceContext", "build_space", "fused_ops", "op_choices"]
 
@@ -423,10 +423,7 @@ def fused_ops(model, graph, config: Config) -> Tuple[FusedOp, ...]:
 
 
 def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    return usable_cpus()
 
 
 def knob_fields() -> Tuple[str, ...]:
