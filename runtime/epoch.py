@@ -80,7 +80,9 @@ class EpochStream:
     ``pipeline.stage_threads`` threads stage whole batches in turn (thread ``w`` batches ``w``,
     ``w + n``, ...) and the consumer takes them in order: the compiled sampler runs one call at a
     time, but a batch's packing and copies overlap the next one's sampling. Uniform draws are
-    keyed by the batch, so the batches are the same for any number of threads.
+    keyed by the batch, and the threads sample in the batches' order, each batch's padded
+    lengths reserved as it is sampled (:meth:`~fastopt.runtime.Loader.reserve`), so the
+    batches, their shapes included, are the same for any number of threads and any timing.
 
     With SlimCache one thread stages the batches in order, at most two of them ahead of the
     consumer (the cache's limit of staged lookups), and batches are sampled
@@ -119,6 +121,8 @@ class EpochStream:
                                              for _ in range(self.workers)]
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []
+        self._turn = threading.Condition()  # batches sample (and reserve) in order: _in_turn
+        self._next = 0  # the batch whose turn it is
 
     def __enter__(self) -> "EpochStream":
         if self.depth > 0:
@@ -165,10 +169,29 @@ class EpochStream:
                     # inputs on the device, which must be freed when the consumer is done with
                     # it, not at the end of the epoch
                     batch, self._plan[i] = self._plan[i], None
+                    if not self._in_turn(i, batch):
+                        return
                 self._put(q, self.loader.stage(batch))
                 del batch
         except BaseException as exc:  # handed to the consumer, raised there
             self._put(q, _Failure(exc))
+
+    def _in_turn(self, i: int, batch: EventBatch) -> bool:
+        """Sample batch ``i`` and reserve its padded lengths once batch ``i - 1`` has (its turn
+        passes on even when that fails); False once stopped."""
+        with self._turn:
+            while self._next != i:
+                if self._stop.is_set():
+                    return False
+                self._turn.wait(_POLL)
+        try:
+            self.loader.sample(batch)
+            self.loader.reserve(batch)
+        finally:
+            with self._turn:
+                self._next = i + 1
+                self._turn.notify_all()
+        return True
 
     def _wait_for_room(self) -> bool:
         """Wait until fewer than two staged batches await the consumer; False once stopped."""

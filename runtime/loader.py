@@ -101,6 +101,7 @@ class EventBatch:
     inputs: Optional[GraphInputs] = None
     event_feat: Optional[torch.Tensor] = None
     announced: bool = False  # its cached ids were announced to SlimCache (_CachePlanner)
+    padded: Optional[Dict[str, int]] = None  # lengths reserved in batch order (Loader.reserve)
 
     @property
     def size(self) -> int:
@@ -235,14 +236,29 @@ class Loader:
         staged = self.stage(batch, roots=roots, times=np.asarray(times, dtype=np.float64))
         return self.finish(staged).inputs
 
-    def _padded(self, ids: torch.Tensor, kind: str, roots: int) -> torch.Tensor:
+    def reserve(self, batch: EventBatch) -> None:
+        """Fix the padded lengths of the sampled ``batch`` (:meth:`_padded`) now: called on
+        the batches of an epoch in their order, it makes each one's lengths those of a loader
+        staging them one at a time, whichever thread stages them and when (the high water a
+        batch pads to depends on the batches before it)."""
+        if not self.cuda or batch.sampled is None:
+            return
+        roots, batch.padded = batch.sampled.roots.numel(), {}
+        if batch.sampled.unique_nodes is not None:  # else stage dedups the roots and pads then
+            batch.padded["nodes"] = self.high_water(f"nodes/{roots}", batch.sampled.unique_nodes.values.numel())
+        if batch.sampled.unique_eids is not None:
+            batch.padded["edges"] = self.high_water(f"edges/{roots}", batch.sampled.unique_eids.values.numel())
+
+    def _padded(self, ids: torch.Tensor, kind: str, roots: int, batch: Optional[EventBatch] = None) -> torch.Tensor:
         """``ids`` (a batch's unique node or edge ids, ``kind`` "nodes" or "edges") padded with
         zeros on CUDA to the high-water length (:class:`~fastopt.runtime.inputs.HighWater`) of
         batches of ``roots`` roots: an evaluation batch (more roots: MRR negatives) raises only
-        the lengths of its own shape, not those the training step runs at."""
+        the lengths of its own shape, not those the training step runs at. A length
+        :meth:`reserve` fixed for ``batch`` is used as it is."""
         if not self.cuda:
             return ids
-        length = self.high_water(f"{kind}/{roots}", ids.numel())
+        reserved = batch.padded.get(kind) if batch is not None and batch.padded else None
+        length = self.high_water(f"{kind}/{roots}", ids.numel()) if reserved is None else reserved
         if length == ids.numel():
             return ids
         padded = np.zeros(length, dtype=ids.numpy().dtype)
@@ -256,7 +272,8 @@ class Loader:
         if u is None:
             return None
         ints["edge_inverse"] = u.inverse.reshape(-1)
-        return self._padded(torch.from_numpy(np.maximum(u.values.numpy(), 0)), "edges", batch.sampled.roots.numel())
+        return self._padded(torch.from_numpy(np.maximum(u.values.numpy(), 0)), "edges",
+                            batch.sampled.roots.numel(), batch)
 
     # ------------------------------------------------------------------------ staging
     def sample(self, batch: EventBatch, roots: Optional[np.ndarray] = None,
@@ -303,7 +320,7 @@ class Loader:
         unique = sampled.unique_nodes if sampled is not None else None
         if unique is None:
             unique = Unique.of(ints["roots"])
-        ints["unique_nodes"] = self._padded(unique.values, "nodes", ints["roots"].numel())
+        ints["unique_nodes"] = self._padded(unique.values, "nodes", ints["roots"].numel(), batch)
         ints["node_inverse"] = _set_inverse(unique.inverse.reshape(-1), ints["roots"].numel(), blocks)
         staged = _Staged(batch, len(blocks))
         if self.edge_rows and blocks and self.placement == "device" and self.edge_table is not None:

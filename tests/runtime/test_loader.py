@@ -186,6 +186,64 @@ def test_staging_threads_give_the_same_batches_in_order(small_graph, make):
                 assert torch.equal(x, y), name
 
 
+def test_staging_threads_pad_merged_layers_as_one_thread_does_whatever_the_timing(small_graph):
+    """The merged layers' padded lengths grow with the batches before (the sampler's high
+    water): threads whose calls finish in any order still sample in the batches' order, so every
+    batch has the shapes one thread gives it."""
+    import random
+
+    from fastopt.runtime import TemporalSampler
+
+    class Jittery:  # the compiled sampler, each call delayed by a random few milliseconds
+        def __init__(self):
+            self.inner = TemporalSampler(small_graph, [4, 3], "uniform", threads=1, seed=5,
+                                         hop_dedup=True, pad_rows=True)
+            self.rng = random.Random(0)
+
+        def sample(self, roots, times, batch=None):
+            time.sleep(self.rng.uniform(0, 0.004))
+            return self.inner.sample(roots, times, batch=batch)
+
+        def reset(self, epoch=None):
+            self.inner.reset(epoch)
+
+    def shapes(threads):
+        sampler = Jittery()
+        loader = Loader(small_graph, sampler, torch.device("cpu"),
+                        config(pipeline__stage_threads=threads, pipeline__prefetch_depth=4,
+                               train__batch_size=50))
+        with loader.epoch("train", 0) as batches:
+            return [[tuple(n.shape) for n in b.inputs.nodes] + [tuple(i.shape) for i in b.inputs.nbr_index]
+                    for b in batches]
+
+    one = shapes(1)
+    assert len({s[2] for s in one}) > 1  # the padded layer grows over the epoch
+    for _ in range(3):
+        assert shapes(4) == one
+
+
+def test_reserved_lengths_are_the_high_water_in_batch_order(small_graph):
+    """:meth:`Loader.reserve` on batches in order gives each the high water of the batches up to
+    it, which staging then pads to, whenever it runs (lengths pad on CUDA only: the loader is
+    told it runs there)."""
+    from fastopt.runtime import TemporalSampler
+    from fastopt.runtime.inputs import bucket
+
+    sampler = TemporalSampler(small_graph, [4], "recent", threads=1)
+    loader = Loader(small_graph, sampler, torch.device("cpu"), config(train__batch_size=50))
+    batches = list(loader.plan("train", 0))[:12]
+    loader.cuda = True
+    for b in batches:
+        loader.sample(b)
+        loader.reserve(b)
+    counts = [b.sampled.unique_nodes.values.numel() for b in batches]
+    assert [b.padded["nodes"] for b in batches] == [max(bucket(c) for c in counts[:i + 1]) for i in range(len(counts))]
+    last = batches[-1]
+    loader.high_water.seed({f"nodes/{last.sampled.roots.numel()}": 10 * last.padded["nodes"]})  # later growth
+    padded = loader._padded(last.sampled.unique_nodes.values, "nodes", last.sampled.roots.numel(), last)
+    assert padded.numel() == last.padded["nodes"]  # the reserved length, not the grown one
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_consumed_batch_is_freed_before_the_epoch_ends(small_graph, threads):
     """Nothing of the stream keeps a batch the consumer is done with: its inputs live on the
