@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 __all__ = ["EpochStream"]
 
-# Seconds between checks of the stop flag while the producer waits for room in the queue.
+# Seconds between checks of the stop flag while a producer waits (for room in its queue, for
+# its turn to sample).
 _POLL = 0.05
 # Staged lookups SlimCache keeps per table (slimcache._MAX_PENDING): batches staged ahead of the
 # consumer with the cache on.

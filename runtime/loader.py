@@ -241,13 +241,27 @@ class Loader:
         the batches of an epoch in their order, it makes each one's lengths those of a loader
         staging them one at a time, whichever thread stages them and when (the high water a
         batch pads to depends on the batches before it)."""
-        if not self.cuda or batch.sampled is None:
+        if not self.cuda:
             return
-        roots, batch.padded = batch.sampled.roots.numel(), {}
-        if batch.sampled.unique_nodes is not None:  # else stage dedups the roots and pads then
-            batch.padded["nodes"] = self.high_water(f"nodes/{roots}", batch.sampled.unique_nodes.values.numel())
-        if batch.sampled.unique_eids is not None:
-            batch.padded["edges"] = self.high_water(f"edges/{roots}", batch.sampled.unique_eids.values.numel())
+        sampled = batch.sampled
+        nodes = sampled.unique_nodes if sampled is not None else None
+        if nodes is None:  # no sampler, or its dedup off: staging dedups the roots alone
+            nodes = Unique.of(torch.from_numpy(np.ascontiguousarray(batch.roots, dtype=np.int64)))
+        roots = sampled.roots.numel() if sampled is not None else len(batch.roots)
+        batch.padded = {"nodes": self.high_water(f"nodes/{roots}", nodes.values.numel())}
+        if self._pads_edges(batch):
+            batch.padded["edges"] = self.high_water(f"edges/{roots}", sampled.unique_eids.values.numel())
+
+    def _pads_edges(self, batch: EventBatch) -> bool:
+        """Whether staging ``batch`` pads its unique edge ids (:meth:`_unique_edge_ids`): edge
+        rows read on the device, or gathered on the host without SlimCache, with the sampler's
+        dedup on."""
+        sampled = batch.sampled
+        if self.edge_table is None or sampled is None or not sampled.blocks or sampled.unique_eids is None:
+            return False
+        if self.placement == "device":
+            return self.edge_rows
+        return self.dedup and (self.cache is None or batch.index < 0)
 
     def _padded(self, ids: torch.Tensor, kind: str, roots: int, batch: Optional[EventBatch] = None) -> torch.Tensor:
         """``ids`` (a batch's unique node or edge ids, ``kind`` "nodes" or "edges") padded with
@@ -323,10 +337,8 @@ class Loader:
         ints["unique_nodes"] = self._padded(unique.values, "nodes", ints["roots"].numel(), batch)
         ints["node_inverse"] = _set_inverse(unique.inverse.reshape(-1), ints["roots"].numel(), blocks)
         staged = _Staged(batch, len(blocks))
-        if self.edge_rows and blocks and self.placement == "device" and self.edge_table is not None:
-            ids = self._unique_edge_ids(batch, ints)
-            if ids is not None:
-                ints["edge_unique"] = ids
+        if self.placement == "device" and self._pads_edges(batch):
+            ints["edge_unique"] = self._unique_edge_ids(batch, ints)
         host_feats = self._host_features(batch, blocks, ints, staged)
         if self.placement != "device" or self.edge_table is None or "edge_unique" in ints:
             for i in range(len(blocks)):  # edge ids are read on the device by per-slot gathers only

@@ -1,5 +1,6 @@
 """The loader: same batches and features on every path, unique nodes, clean stops, dense user models."""
 
+import random
 import threading
 import time
 
@@ -190,8 +191,6 @@ def test_staging_threads_pad_merged_layers_as_one_thread_does_whatever_the_timin
     """The merged layers' padded lengths grow with the batches before (the sampler's high
     water): threads whose calls finish in any order still sample in the batches' order, so every
     batch has the shapes one thread gives it."""
-    import random
-
     from fastopt.runtime import TemporalSampler
 
     class Jittery:  # the compiled sampler, each call delayed by a random few milliseconds
@@ -227,7 +226,6 @@ def test_reserved_lengths_are_the_high_water_in_batch_order(small_graph):
     it, which staging then pads to, whenever it runs (lengths pad on CUDA only: the loader is
     told it runs there)."""
     from fastopt.runtime import TemporalSampler
-    from fastopt.runtime.inputs import bucket
 
     sampler = TemporalSampler(small_graph, [4], "recent", threads=1)
     loader = Loader(small_graph, sampler, torch.device("cpu"), config(train__batch_size=50))
@@ -242,6 +240,41 @@ def test_reserved_lengths_are_the_high_water_in_batch_order(small_graph):
     loader.high_water.seed({f"nodes/{last.sampled.roots.numel()}": 10 * last.padded["nodes"]})  # later growth
     padded = loader._padded(last.sampled.unique_nodes.values, "nodes", last.sampled.roots.numel(), last)
     assert padded.numel() == last.padded["nodes"]  # the reserved length, not the grown one
+
+
+@pytest.mark.parametrize("fanouts,dedup", [([4, 3], True), ([4, 3], False), ([], True)])
+def test_staging_threads_pad_unique_ids_as_one_thread_does_whatever_the_timing(small_graph, fanouts, dedup):
+    """The loader's padded unique nodes and edges (on CUDA: here the loader is told it runs
+    there and copies as on the CPU) are those one thread gives, however the threads' staging
+    interleaves: with the sampler's dedup, without it, and without a sampler."""
+    from fastopt.runtime import TemporalSampler
+
+    def shapes(threads):
+        cfg = config(pipeline__stage_threads=threads, pipeline__prefetch_depth=4, train__batch_size=300)
+        sampler = (TemporalSampler(small_graph, fanouts, "uniform", threads=1, seed=5, dedup=dedup)
+                   if fanouts else None)
+        loader = Loader(small_graph, sampler, torch.device("cpu"), cfg)
+        loader.cuda = True  # pad as on CUDA
+        rng, stage = random.Random(threads), loader.stage
+
+        def jittered(batch, *args, **kwargs):  # staging threads finish in any order
+            time.sleep(rng.uniform(0, 0.003))
+            return stage(batch, *args, **kwargs)
+
+        def upload(staged, groups):  # the CPU's copies: none
+            for group in groups.values():
+                staged.tensors.update(group)
+            loader._gather_device(staged)
+
+        loader.stage, loader._upload = jittered, upload
+        with loader.epoch("train", 0) as batches:
+            return [(b.inputs.unique_nodes.numel(), None if b.inputs.edge_rows is None else b.inputs.edge_rows.shape[0])
+                    for b in batches]
+
+    one = shapes(1)
+    assert len({n for n, _ in one}) > 1  # the padded length grows over the epoch
+    for threads in (2, 3, 4):
+        assert shapes(threads) == one
 
 
 @pytest.mark.parametrize("threads", [1, 2])
