@@ -10,9 +10,10 @@ operators with the most host time and the most device time, and the epoch's stag
 called in turn on this thread, under cProfile): where the host time that feeds the step goes.
 ``--pipeline N`` runs N epochs as ``fit`` does (training, then validation) with nothing
 profiled, one line each: the epoch, its stages, the steps captured in it, the padded lengths it
-ended with, the seconds the staging threads spent sampling and staging (sampling included)
-and the training thread finishing batches (``Loader.finish``), and the minor page faults:
-whether an epoch waits on its producer, and why.
+ended with, the seconds the staging threads spent sampling (``Loader.sample``) and staging
+(``Loader.stage``, its own sampling left out), the training thread finishing batches
+(``Loader.finish``), and the minor page faults of the training pass: whether an epoch waits on
+its producer, and why.
 ``--shapes`` runs without CUDA graphs (a replayed graph hides its operators from the profiler)
 and lists the matrix products grouped by their input shapes, by device time. On CUDA it also
 says how long the device sat idle in the profiled epoch (no kernel running on any stream) and
@@ -117,16 +118,22 @@ def profile_pipeline(trainer: Trainer, epochs: int) -> int:
     import threading
     from collections import defaultdict
 
-    loader, spent, lock = trainer.loader, defaultdict(float), threading.Lock()
+    loader, spent, lock, inside = trainer.loader, defaultdict(float), threading.Lock(), threading.local()
 
     def timed(name, method):
         def call(*args, **kwargs):
+            outer = getattr(inside, "call", None)  # stage samples a batch nothing sampled yet
+            inside.call = name
             t0 = time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
+                seconds = time.perf_counter() - t0
+                inside.call = outer
                 with lock:
-                    spent[name] += time.perf_counter() - t0
+                    spent[name] += seconds
+                    if outer is not None:
+                        spent[outer] -= seconds
         return call
 
     for name in ("sample", "stage", "finish"):  # the loader's own calls go through these too
@@ -142,14 +149,15 @@ def profile_pipeline(trainer: Trainer, epochs: int) -> int:
         wrong = loss_failures(stats)
         if wrong:  # before validation, which refuses non-finite scores
             return report_wrong(wrong)
+        training = dict(spent)  # validation goes through the same calls
         t0 = time.perf_counter()
         trainer.evaluate("val")
         trainer.epoch = epoch + 1
         print(f"epoch {epoch}: {stats.seconds:.3f} s, stages "
               + " ".join(f"{k}={v:.3f}" for k, v in stats.stages.items())
-              + f"; {captured} step(s) captured; staging threads sample={spent['sample']:.3f} "
-              f"stage={spent['stage']:.3f} s, training thread finish={spent['finish']:.3f} s; "
-              f"{faults} minor faults; validation {time.perf_counter() - t0:.2f} s; "
+              + f"; {captured} step(s) captured; staging threads sampling {training.get('sample', 0):.3f} s, "
+              f"staging {training.get('stage', 0):.3f} s; training thread finishing "
+              f"{training.get('finish', 0):.3f} s; {faults} minor faults; validation {time.perf_counter() - t0:.2f} s; "
               f"padded lengths {dict(loader.high_water.lengths)}", flush=True)
     return 0
 
@@ -211,7 +219,8 @@ def profile_loader(trainer: Trainer, rows: int) -> int:
 
     def fresh_epoch():
         """The epoch's batches, none sampled yet, the sampler rewound (each pass samples all)."""
-        loader.sampler.reset(0)
+        if loader.sampler is not None:
+            loader.sampler.reset(0)
         return list(loader.plan("train", 0))
 
     for batch in fresh_epoch()[:20]:
@@ -232,7 +241,7 @@ def profile_loader(trainer: Trainer, rows: int) -> int:
         batch.sampled = None  # freed once consumed, as in an epoch (kept, every batch's pages fault)
     profiler.disable()
     staged = time.perf_counter() - t0
-    print(f"{len(batches)} batches: sampler.sample alone {sample:.3f} s, Loader.stage {staged:.3f} s "
+    print(f"{len(batches)} batches: Loader.sample alone {sample:.3f} s, Loader.stage {staged:.3f} s "
           f"(under cProfile)")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(rows)
     return 0

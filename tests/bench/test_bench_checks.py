@@ -349,9 +349,12 @@ def test_epoch_profile_pipeline_lines_and_its_checks(monkeypatch, wikipedia, cap
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch ")]
     assert [line.split(":")[0] for line in lines] == ["epoch 0", "epoch 1"]
     for line in lines:
-        stage = float(line.split(" stage=")[1].split()[0])
-        sample = float(line.split(" sample=")[2].split()[0])  # the first sample= is the stage's
-        assert 0 < sample <= stage and "minor faults" in line and "padded lengths" in line
+        sampling = float(line.split("sampling ")[1].split()[0])
+        staging = float(line.split("staging ")[2].split()[0])  # the first is "staging threads"
+        finishing = float(line.split("finishing ")[1].split()[0])
+        seconds = float(line.split(": ")[1].split()[0])
+        assert 0 < sampling < seconds and 0 <= staging < seconds and 0 < finishing < seconds
+        assert "minor faults" in line and "padded lengths" in line
     _wrong_attention_gradient(monkeypatch, wrong_backward)
     assert script.main(_EPOCH_ARGS + ["--pipeline", "1"]) == 1
     assert "WRONG RESULT: optimized tgat" in capsys.readouterr().out
