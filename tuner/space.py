@@ -255,14 +255,16 @@ class SearchSpace:
     def neighbors(self, limit: int) -> List[Dict[str, Any]]:
         """Up to ``limit`` variations of the baseline that change one knob each, in rounds:
         every knob's first other choice, then every knob's second, and so on (knobs in the order
-        they are suggested), so that a short list still moves each knob once. A knob that
-        matters only under another's value is varied where the baseline makes it matter; a
-        change that makes such a knob matter gives it its first choice. A new study runs them
-        after the baseline (``tuner.neighbor_share``): a look around the defaults, which the
-        sampler's own search then starts from."""
+        they are suggested), so that a list at least as long as the knobs moves each knob once. A
+        knob that matters only under another's value is varied where the baseline makes it
+        matter; a change that makes such a knob matter gives it its first choice. A variation
+        that runs as the baseline or an earlier one does (:meth:`_runs_as`: ``0`` for automatic
+        sampler or staging threads, staging threads beyond the prefetch depth) is left out. A new
+        study runs them after the baseline (``tuner.neighbor_share``): a look around the
+        defaults, which the sampler's own search then starts from."""
         base = self.baseline()
         out: List[Dict[str, Any]] = []
-        seen = {tuple(sorted(base.items(), key=lambda kv: kv[0]))}
+        seen = {self._runs_as(base)}
         for r in range(1, max((len(k.choices) for k in self.knobs), default=1)):
             for knob in self.knobs:
                 if len(out) >= limit:
@@ -274,11 +276,23 @@ class SearchSpace:
                     if other.when(params):
                         params[other.name] = (knob.choices[r] if other is knob
                                               else base.get(other.name, other.choices[0]))
-                key = tuple(sorted(params.items(), key=lambda kv: kv[0]))
+                key = self._runs_as(params)
                 if key not in seen:
                     seen.add(key)
                     out.append(params)
         return out
+
+    def _runs_as(self, params: Dict[str, Any]) -> Tuple[Tuple[str, Any], ...]:
+        """``params`` as the run reads them: sampler threads ``0`` are one per core, staging
+        threads ``0`` are 2 on CUDA and 1 on the CPU, and no more than the prefetch depth run
+        (:class:`~fastopt.runtime.epoch.EpochStream`); two knob values that run alike give one key."""
+        ran = dict(params)
+        if ran.get("sampler.threads") == 0:
+            ran["sampler.threads"] = self.context.cores
+        if "pipeline.stage_threads" in ran:
+            threads = ran["pipeline.stage_threads"] or (2 if self.context.cuda else 1)
+            ran["pipeline.stage_threads"] = max(1, min(threads, ran.get("pipeline.prefetch_depth", threads)))
+        return tuple(sorted(ran.items(), key=lambda kv: kv[0]))
 
     def values(self, params: Dict[str, Any]) -> Dict[str, Any]:
         """Config values of knob values: the per-op knobs joined into one

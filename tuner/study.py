@@ -33,8 +33,10 @@ __all__ = ["TuningRun", "export_record", "record_from_study", "tune"]
 
 # study user attribute holding what the study tunes
 CONTEXT = "fastopt"
-# trial user attribute marking the baseline trial
+# trial user attribute marking the baseline trial and its one-knob variations
 ROLE = "role"
+# trial user attribute of a variation: the knob it changes, "name=value"
+CHANGED = "changed"
 # fields of the context that must agree for a study to be resumed
 _SAME_PROBLEM = (("model", "key"), ("dataset", None), ("device", None), ("space", None))
 # trials that count toward a study's total: a trial that failed (its process interrupted or
@@ -118,9 +120,11 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
     def first_open(study: optuna.Study) -> None:
         # only the worker that made the study gets here: the baseline is enqueued once
         _claim(study, context)
-        study.enqueue_trial(space.baseline(), user_attrs={ROLE: "baseline"})
-        for params in space.neighbors(int(config.tuner.neighbor_share * (trials - 1))):
-            study.enqueue_trial(params, user_attrs={ROLE: "neighbor"})
+        base = space.baseline()
+        study.enqueue_trial(base, user_attrs={ROLE: "baseline"})
+        for params in space.neighbors(round(config.tuner.neighbor_share * (trials - 1))):
+            changed = " ".join(f"{k}={v}" for k, v in params.items() if k in base and base[k] != v)
+            study.enqueue_trial(params, user_attrs={ROLE: "neighbor", CHANGED: changed})
 
     study = open_study(storage, name, seed=config.train.seed, on_create=first_open,
                        pruner=optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=0))
@@ -248,8 +252,10 @@ def _progress(total: int, say: Callable[[str], None], bar):
     def report(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         head = f"trial {trial.number + 1}/{total}"
         role = trial.user_attrs.get(ROLE)
-        if role:
-            head += " (baseline)" if role == "baseline" else " (one knob off the baseline)"
+        if role == "baseline":
+            head += " (baseline)"
+        elif role:
+            head += f" (the baseline but {trial.user_attrs.get(CHANGED, 'one knob')})"
         if trial.state == optuna.trial.TrialState.COMPLETE:
             what = (f"{trial.value:.3f} s/epoch (step {trial.user_attrs['step_seconds'] * 1e3:.2f} ms) "
                     f"{values_line(trial.user_attrs.get('values', {}))}")

@@ -14,7 +14,7 @@ from fastopt.errors import SamplerError
 from fastopt.runtime import OPENMP, TemporalSampler
 from fastopt.runtime.reorder import node_rows
 from fastopt.runtime.topology import (CpuTopology, Placement, _parse_cpu_list, plan_placement,
-                                      read_topology, static_chunks)
+                                      read_topology, static_chunks, usable_cpus)
 from fastopt.sampling import NumpySampler
 
 BLOCK_FIELDS = ("dst_nodes", "dst_times", "nbr_nodes", "nbr_eids", "nbr_times", "dt", "mask", "indptr")
@@ -490,3 +490,14 @@ def test_pinned_sampler_gives_the_same_batches(small_graph):
     pinned = TemporalSampler(small_graph, [5, 5], "uniform", threads=2, pin_threads=True)
     assert_blocks_equal(pinned.sample(roots, times), plain)
     assert isinstance(pinned.placement, Placement) and pinned.placement.reason
+
+
+def test_usable_cpus_counts_the_affinity_mask_else_every_cpu(monkeypatch):
+    import os
+
+    assert usable_cpus() == len(os.sched_getaffinity(0))
+    monkeypatch.delattr(os, "sched_getaffinity")  # not on Linux
+    monkeypatch.setattr(os, "cpu_count", lambda: 7)
+    assert usable_cpus() == 7
+    monkeypatch.setattr(os, "cpu_count", lambda: None)  # unknown
+    assert usable_cpus() == 1

@@ -128,10 +128,17 @@ def test_neighbors_change_one_knob_each_every_knob_before_any_twice(small_graph,
                 matter[knob.name] = params[knob.name]
         assert matter == params
         assert space.suggest(optuna.trial.FixedTrial(params))  # one the space accepts
-    others = sum(len(k.choices) - 1 for k in space.knobs if k.name in base)
-    assert len(every) == others and len({tuple(sorted(p.items())) for p in every}) == others
-    first_round = [n for n in base if len(knobs[n].choices) > 1]
-    assert varied[:len(first_round)] == first_round  # each knob once, in order, before any twice
+    # none runs as the baseline or another one does: on 2 cores, sampler threads 2 are the
+    # baseline's one per core; staging threads 2 are CUDA's default, and 3 run as 2 at depth 2
+    keys = {space._runs_as(p) for p in every} | {space._runs_as(base)}
+    assert len(keys) == len(every) + 1
+    assert not any(p.get("sampler.threads") == 2 or (p.get("pipeline.stage_threads") in (2, 3) and
+                                                      p["pipeline.prefetch_depth"] == 2) for p in every)
+    assert {2, 3} <= set(knobs["pipeline.stage_threads"].choices) and base["pipeline.prefetch_depth"] == 2
+    assert any(p.get("pipeline.stage_threads") == 1 for p in every)
+    # every knob varied, once each in the space's order before any knob twice
+    firsts = list(dict.fromkeys(varied))
+    assert varied[:len(firsts)] == firsts == [n for n in base if len(knobs[n].choices) > 1]
     host = next(p for p in every if p.get("cache.placement") == "host")
     assert host["cache.budget_fraction"] == knobs["cache.budget_fraction"].choices[0]
     assert space.neighbors(3) == every[:3] and space.neighbors(0) == []
@@ -158,7 +165,7 @@ def test_a_new_study_runs_the_baseline_then_its_neighbors(small_graph, two_cores
             self.user_attrs[key] = value
 
         def enqueue_trial(self, params, user_attrs):
-            seen.append((params, user_attrs[study_module.ROLE]))
+            seen.append((params, user_attrs[study_module.ROLE], user_attrs.get(study_module.CHANGED)))
 
     def created(storage, name, seed, on_create, pruner):
         on_create(NewStudy())
@@ -169,8 +176,12 @@ def test_a_new_study_runs_the_baseline_then_its_neighbors(small_graph, two_cores
         study_module.tune(small_graph, "tgn", config, trials=9, storage=str(tmp_path / "s.db"),
                           say=lambda _: None)
     space = space_for("tgn", small_graph)
-    assert seen[0] == (space.baseline(), "baseline")
-    assert seen[1:] == [(p, "neighbor") for p in space.neighbors(4)]  # half of the 8 after it
+    base = space.baseline()
+    assert seen[0] == (base, "baseline", None)
+    assert [(p, role) for p, role, _ in seen[1:]] == [(p, "neighbor") for p in space.neighbors(4)]  # half of 8
+    for params, _, changed in seen[1:]:  # named in the trial's line: the knob and its value
+        (name,) = [k for k in params if k in base and params[k] != base[k]]
+        assert changed == f"{name}={params[name]}"
 
 
 def test_batch_size_only_from_the_list_the_user_allows(small_graph):
