@@ -253,15 +253,15 @@ class Loader:
             batch.padded["edges"] = self.high_water(f"edges/{roots}", sampled.unique_eids.values.numel())
 
     def _pads_edges(self, batch: EventBatch) -> bool:
-        """Whether staging ``batch`` pads its unique edge ids (:meth:`_unique_edge_ids`): edge
-        rows read on the device, or gathered on the host without SlimCache, with the sampler's
-        dedup on."""
+        """Whether ``batch``'s unique edges are padded (:meth:`_unique_edge_ids`, or SlimCache's
+        served rows in :meth:`_edge_table_and_index`): edge rows read on the device, or moved
+        from the host, with the sampler's dedup on."""
         sampled = batch.sampled
         if self.edge_table is None or sampled is None or not sampled.blocks or sampled.unique_eids is None:
             return False
         if self.placement == "device":
             return self.edge_rows
-        return self.dedup and (self.cache is None or batch.index < 0)
+        return self.dedup
 
     def _padded(self, ids: torch.Tensor, kind: str, roots: int, batch: Optional[EventBatch] = None) -> torch.Tensor:
         """``ids`` (a batch's unique node or edge ids, ``kind`` "nodes" or "edges") padded with
@@ -475,13 +475,26 @@ class Loader:
         pieces = torch.split(index, [s.numel() for s in shapes])
         return rows, [piece.view(s) for piece, s in zip(pieces, shapes)]
 
+    def _padded_rows(self, rows: torch.Tensor, batch: EventBatch) -> torch.Tensor:
+        """A batch's unique edge rows on the device with zero rows after them up to its padded
+        length (:meth:`_padded`'s, on CUDA), so that a captured step sees one shape."""
+        if not self.cuda:
+            return rows
+        reserved = batch.padded.get("edges") if batch.padded else None
+        length = reserved if reserved is not None else \
+            self.high_water(f"edges/{batch.sampled.roots.numel()}", rows.shape[0])
+        if length <= rows.shape[0]:
+            return rows
+        return torch.cat([rows, rows.new_zeros((length - rows.shape[0],) + tuple(rows.shape[1:]))])
+
     def _edge_table_and_index(self, staged: _Staged, layers: int):
         """``(rows, index)`` with ``rows[index]`` (or ``rows`` when index is None) the edge
         features of every layer's slots, flattened in layer order."""
         t = staged.tensors
-        if staged.pending is not None:
-            rows = self.cache.finish(staged.pending)
-            return rows.expand().reshape(-1, rows.rows.shape[-1]), None
+        if staged.pending is not None:  # SlimCache's unique rows, padded like the device path's
+            served = self.cache.finish(staged.pending)
+            rows = self._padded_rows(served.rows.reshape(served.rows.shape[0], -1), staged.batch)
+            return rows, served.index.reshape(-1)
         if "edge_rows" not in t:
             if "edge_feat" in t:
                 return torch.cat([f.reshape(-1, f.shape[-1]) for f in t["edge_feat"]]), None

@@ -516,6 +516,43 @@ def test_cached_loader_serves_the_uncached_rows_bitwise(small_graph, policy, dep
     assert c.hits <= c.lookups - loader.cache.optimum("edge").misses  # never above Belady
 
 
+@pytest.mark.parametrize("as_on_cuda", [False, True])
+def test_cached_loader_hands_edge_rows_models_the_unique_rows(small_graph, as_on_cuda):
+    """A model that reads edge rows by index gets SlimCache's unique rows and each slot's index
+    into them, not a row per slot: every valid slot reads the uncached path's features. On CUDA
+    (here the loader is told it runs there and copies as on the CPU) the rows are padded with
+    zero rows to the high-water length, so that a captured step sees one shape."""
+    from fastopt.runtime import CacheTable, SlimCache
+
+    plain = Loader(small_graph, NumpySampler(small_graph, [3, 2], "uniform", seed=5), torch.device("cpu"),
+                   config(cache__placement="host"))
+    want = run_epochs(plain, epochs=1)[0]
+    cfg = config(cache__placement="host", cache__policy="future", cache__budget_fraction=0.2)
+    loader = Loader(small_graph, NumpySampler(small_graph, [3, 2], "uniform", seed=5), torch.device("cpu"),
+                    cfg, edge_rows=True)
+    loader.cache = SlimCache({"edge": CacheTable(loader.edge_table)}, "cpu", cfg.cache)
+    if as_on_cuda:
+        def upload(staged, groups):  # the CPU's copies: none
+            for group in groups.values():
+                staged.tensors.update(group)
+
+        loader.cuda, loader._upload = True, upload
+        loader._gather_host = lambda table, ids: table.index_select(0, ids)  # unpinned
+    with loader.epoch("train", 0) as batches:
+        for batch, (w_feat, w_mask) in zip(batches, want, strict=True):
+            inputs = batch.inputs
+            slots = sum(m.numel() for m in inputs.mask)
+            unique = batch.sampled.unique_eids.values.numel()
+            if as_on_cuda:  # the high water of the batches so far (one thread stages them in order)
+                assert inputs.edge_rows.shape[0] >= bucket(unique) and not inputs.edge_rows[unique:].any()
+            else:
+                assert inputs.edge_rows.shape[0] == unique < slots
+            for i, (wf, wm) in enumerate(zip(w_feat, w_mask, strict=True)):
+                rows, index = inputs.layer_edges(i)
+                assert torch.equal(inputs.mask[i], wm)
+                assert torch.equal(rows[index][wm], wf[wm])
+
+
 def test_loader_feeds_the_future_policy_ahead(small_graph):
     """With the batches sampled ahead announced, the future policy moves fewer rows than LRU and,
     looking ahead far enough, reaches the offline optimum of the epoch."""
