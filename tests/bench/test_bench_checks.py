@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from bench_scripts import load
@@ -366,14 +367,16 @@ def test_epoch_profile_pipeline_lines_and_its_checks(monkeypatch, wikipedia, cap
 
 
 # ---------------------------------------------------------------------------- bench/slimcache_loader.py
-def test_slimcache_loader_bench_passes_and_fails_on_wrong_rows(monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("form", [[], ["--edge-rows"]])
+def test_slimcache_loader_bench_passes_and_fails_on_wrong_rows(monkeypatch, tmp_path, capsys, form):
     """The loader-path cache bench checks every run's served rows against the loader without a
-    cache: equal rows pass; a cache that serves one row wrong fails with status 1."""
+    cache (rows per slot, or unique rows and an index): equal rows pass; a cache that serves one
+    row wrong fails with status 1."""
     from fastopt.runtime import table_cache
 
     script = load("slimcache_loader")
     monkeypatch.setattr(script, "write_record", _record)
-    argv = ["--streams", "tgn", "--policies", "lru", "--json", str(tmp_path / "loader.json")]
+    argv = ["--streams", "tgn", "--policies", "lru", "--json", str(tmp_path / "loader.json")] + form
     assert script.main(argv) == 0
     (truth, row) = json.loads((tmp_path / "loader.json").read_text())["rows"]
     assert row["crc"] == truth["crc"] and 0.0 < row["hit_rate"] < 1.0 and row["mb_h2d"] > 0
