@@ -102,6 +102,7 @@ class EventBatch:
     event_feat: Optional[torch.Tensor] = None
     announced: bool = False  # its cached ids were announced to SlimCache (_CachePlanner)
     padded: Optional[Dict[str, int]] = None  # lengths reserved in batch order (Loader.reserve)
+    root_nodes: Optional[Unique] = None  # the roots' unique ids where no sampler dedups (reserve)
 
     @property
     def size(self) -> int:
@@ -245,12 +246,12 @@ class Loader:
             return
         sampled = batch.sampled
         nodes = sampled.unique_nodes if sampled is not None else None
-        if nodes is None:  # no sampler, or its dedup off: staging dedups the roots alone
-            nodes = Unique.of(torch.from_numpy(np.ascontiguousarray(batch.roots, dtype=np.int64)))
+        if nodes is None:  # no sampler, or its dedup off: the roots alone, kept for stage
+            nodes = batch.root_nodes = Unique.of(torch.from_numpy(np.ascontiguousarray(batch.roots, dtype=np.int64)))
         roots = sampled.roots.numel() if sampled is not None else len(batch.roots)
-        batch.padded = {"nodes": self.high_water(f"nodes/{roots}", nodes.values.numel())}
+        batch.padded = {"nodes": self._length("nodes", roots, nodes.values.numel())}
         if self._pads_edges(batch):
-            batch.padded["edges"] = self.high_water(f"edges/{roots}", sampled.unique_eids.values.numel())
+            batch.padded["edges"] = self._length("edges", roots, sampled.unique_eids.values.numel())
 
     def _pads_edges(self, batch: EventBatch) -> bool:
         """Whether ``batch``'s unique edges are padded (:meth:`_unique_edge_ids`, or SlimCache's
@@ -263,6 +264,12 @@ class Loader:
             return self.edge_rows
         return self.dedup
 
+    def _length(self, kind: str, roots: int, n: int, batch: Optional[EventBatch] = None) -> int:
+        """The padded length of ``n`` unique ``kind`` ("nodes" or "edges") in a batch of ``roots``
+        roots: the one :meth:`reserve` fixed for ``batch``, else the high water, raised by ``n``."""
+        reserved = batch.padded.get(kind) if batch is not None and batch.padded else None
+        return self.high_water(f"{kind}/{roots}", n) if reserved is None else reserved
+
     def _padded(self, ids: torch.Tensor, kind: str, roots: int, batch: Optional[EventBatch] = None) -> torch.Tensor:
         """``ids`` (a batch's unique node or edge ids, ``kind`` "nodes" or "edges") padded with
         zeros on CUDA to the high-water length (:class:`~fastopt.runtime.inputs.HighWater`) of
@@ -271,8 +278,7 @@ class Loader:
         :meth:`reserve` fixed for ``batch`` is used as it is."""
         if not self.cuda:
             return ids
-        reserved = batch.padded.get(kind) if batch is not None and batch.padded else None
-        length = self.high_water(f"{kind}/{roots}", ids.numel()) if reserved is None else reserved
+        length = self._length(kind, roots, ids.numel(), batch)
         if length == ids.numel():
             return ids
         padded = np.zeros(length, dtype=ids.numpy().dtype)
@@ -333,7 +339,7 @@ class Loader:
                 ints[f"rows{i}"] = block.nbr_rows
         unique = sampled.unique_nodes if sampled is not None else None
         if unique is None:
-            unique = Unique.of(ints["roots"])
+            unique = batch.root_nodes if batch.root_nodes is not None else Unique.of(ints["roots"])
         ints["unique_nodes"] = self._padded(unique.values, "nodes", ints["roots"].numel(), batch)
         ints["node_inverse"] = _set_inverse(unique.inverse.reshape(-1), ints["roots"].numel(), blocks)
         staged = _Staged(batch, len(blocks))
@@ -480,9 +486,7 @@ class Loader:
         length (:meth:`_padded`'s, on CUDA), so that a captured step sees one shape."""
         if not self.cuda:
             return rows
-        reserved = batch.padded.get("edges") if batch.padded else None
-        length = reserved if reserved is not None else \
-            self.high_water(f"edges/{batch.sampled.roots.numel()}", rows.shape[0])
+        length = self._length("edges", batch.sampled.roots.numel(), rows.shape[0], batch)
         if length <= rows.shape[0]:
             return rows
         return torch.cat([rows, rows.new_zeros((length - rows.shape[0],) + tuple(rows.shape[1:]))])
