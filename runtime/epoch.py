@@ -21,7 +21,7 @@ from fastopt.runtime.timing import StageTimer
 if TYPE_CHECKING:
     from fastopt.runtime.loader import EventBatch, Loader
 
-__all__ = ["EpochStream"]
+__all__ = ["EpochStream", "stage_workers"]
 
 # Seconds between checks of the stop flag while a producer waits (for room in its queue, for
 # its turn to sample).
@@ -29,6 +29,14 @@ _POLL = 0.05
 # Staged lookups SlimCache keeps per table (slimcache._MAX_PENDING): batches staged ahead of the
 # consumer with the cache on.
 _CACHE_STAGED = 2
+
+
+def stage_workers(stage_threads: int, depth: int, cuda: bool) -> int:
+    """Threads that stage an epoch's batches for ``pipeline.stage_threads`` and a prefetch depth
+    of ``depth``: 0 = 2 on CUDA, 1 on the CPU (there a batch has no copies to overlap with the
+    next one's sampling, which runs one call at a time, and a second thread would take a core
+    from the step); never more than the batches staged ahead."""
+    return max(1, min(stage_threads or (2 if cuda else 1), depth))
 
 
 class _Failure:
@@ -101,9 +109,7 @@ class EpochStream:
         self._batches = batches
         pipe = loader.config.pipeline
         depth = pipe.prefetch_depth if pipe.async_sampling else 0
-        # 0 = 2 on CUDA, 1 on the CPU: there a batch has no copies to overlap with the next one's
-        # sampling (which runs one call at a time), and a second thread would take a core from the step
-        workers = pipe.stage_threads or (2 if loader.cuda else 1)
+        workers = stage_workers(pipe.stage_threads, depth, loader.cuda)
         self._lookahead = 0
         self._room: Optional[threading.Semaphore] = None
         self._planner: Optional[_CachePlanner] = None
@@ -117,7 +123,7 @@ class EpochStream:
         if loader.sampler is not None and not loader.keyed:
             workers = 1  # draws keyed by the order of calls: one thread keeps them reproducible
         self.depth = depth
-        self.workers = max(1, min(workers, depth))
+        self.workers = workers
         self._queues: List["queue.Queue"] = [queue.Queue(maxsize=max(1, depth // self.workers))
                                              for _ in range(self.workers)]
         self._stop = threading.Event()

@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from fastopt.codegen.kernel_config import MAX_TILE, next_power_of_2, op_problem
 from fastopt.config import Config, format_op_overrides, parse_op_overrides
 from fastopt.errors import ConfigError
+from fastopt.runtime.epoch import stage_workers
 from fastopt.runtime.topology import usable_cpus
 
 __all__ = ["FusedOp", "Knob", "SearchSpace", "SpaceContext", "build_space", "fused_ops", "op_choices"]
@@ -290,8 +291,8 @@ class SearchSpace:
         if ran.get("sampler.threads") == 0:
             ran["sampler.threads"] = self.context.cores
         if "pipeline.stage_threads" in ran:
-            threads = ran["pipeline.stage_threads"] or (2 if self.context.cuda else 1)
-            ran["pipeline.stage_threads"] = max(1, min(threads, ran.get("pipeline.prefetch_depth", threads)))
+            ran["pipeline.stage_threads"] = stage_workers(ran["pipeline.stage_threads"],
+                                                          ran["pipeline.prefetch_depth"], self.context.cuda)
         return tuple(sorted(ran.items(), key=lambda kv: kv[0]))
 
     def values(self, params: Dict[str, Any]) -> Dict[str, Any]:
