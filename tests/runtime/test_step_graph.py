@@ -111,7 +111,11 @@ def test_trainer_with_step_graphs_matches_eager_steps(small_graph, name):
                 # its gradient is rounding noise, which Adam scales up to steps of ~0.1 lr, so two
                 # runs rounding differently walk it apart
                 continue
-            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=lambda m: f"{key}, epoch {epoch}: {m}")
+            # a time encoding's lowest frequencies (~1e-9 at the start) turn every gap into a phase of
+            # a few ulps, so their gradient's sign is rounding too, and Adam makes each such step a
+            # whole lr: allow them two steps of drift (0.0001007 at a0ade43, lr 1e-4)
+            atol = 2 * cfg.train.lr if ".time_enc." in key else 1e-4
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=atol, msg=lambda m: f"{key}, epoch {epoch}: {m}")
     # test AP over the small graph's 450 test events: one pair of scores swapping order moves it by
     # ~2e-3, which weights equal to rtol 1e-3 allow (TGAT with merged repeats: 4.2e-3 on the H200)
     assert abs(runs[0][1] - runs[1][1]) < 1e-2
