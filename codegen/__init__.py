@@ -19,6 +19,8 @@ Public surface (stable signatures; the fx passes rewrite onto these):
   generated matmuls when ``config.kernels.matmul_precision`` asks for them; the bias gradient by
   :func:`column_sum` with ``bias_grad="column_sum"``
 - :func:`column_sum` ``(x)``: ``x.sum(0)`` of a matrix, deterministic, by a generated kernel
+- :func:`cached_rows` ``(ids, slot_map, slots, table, out=None)``: ``table[ids]`` through a device
+  cache, the rows it lacks read straight from a pinned host table (SlimCache's zero-copy reads)
 - :func:`row_sums` ``(values, index, table_rows, *, apart=0)``: the gradient of a gather
   ``table[index]`` (per-row sums of the slots' rows), deterministic, by the segmented kernel
 - :func:`attention_mapping` ``(slots, heads, dim)``: the attention kernels' thread mapping for
@@ -40,6 +42,7 @@ Layering: imports nothing of fastopt but :mod:`fastopt.config` and :mod:`fastopt
 """
 
 from fastopt.codegen import reference
+from fastopt.codegen.families.cached_rows import cached_rows
 from fastopt.codegen.families.column_sum import column_sum
 from fastopt.codegen.families.masked_aggregate import masked_aggregate
 from fastopt.codegen.families.edge_attention import edge_attention, edge_softmax_aggregate
@@ -63,6 +66,7 @@ __all__ = [
     "time_encode",
     "linear",
     "column_sum",
+    "cached_rows",
     "row_sums",
     "attention_mapping",
     "select_backend",

@@ -13,6 +13,8 @@ after each epoch and on test at the end:
 ``pyg``        PyG's TGN (``TGNMemory`` + ``LastNeighborLoader`` + ``TransformerConv``), when the
                model is TGN and torch_geometric is installed
 ``fastopt``    the whole pipeline: ``fastopt.optimize`` (fused kernels, CUDA graphs) and the loader
+``fastopt-``   ``fastopt`` with the features in host memory (``cache.placement="host"``), served
+``host``       through SlimCache's device cache of ``cache.budget_fraction`` of their bytes
 ``fastopt-``   ``fastopt`` with the tuning record that matches the run applied (``fastopt tune``;
 ``tuned``      what ``config="auto"`` picks), beside ``fastopt``'s defaults; the note names the
                record, or says that none matched and the defaults ran
@@ -47,7 +49,7 @@ from fastopt.runtime.timing import STAGES
 
 __all__ = ["CONTENDERS", "BenchResult", "run_bench", "format_table", "verify_against_eager", "git_commit"]
 
-CONTENDERS = ("tgl", "eager", "compile", "compile-ro", "pyg", "fastopt", "fastopt-tuned")
+CONTENDERS = ("tgl", "eager", "compile", "compile-ro", "pyg", "fastopt", "fastopt-host", "fastopt-tuned")
 # Relative error allowed between a contender's outputs/gradients and eager's (fp32).
 TOLERANCE = 1e-4
 
@@ -94,6 +96,8 @@ def _contender_config(base: Config, name: str) -> Config:
     cfg.train.optimize = "on" if fast else "off"
     if name == "tgl":
         cfg.cache.placement, cfg.sampler.dedup, cfg.cache.budget_fraction = "host", False, 0.0
+    elif name == "fastopt-host":
+        cfg.cache.placement = "host"
     elif not fast:
         cfg.cache.placement = "device"
     return cfg
@@ -215,10 +219,13 @@ def run_bench(graph, model_name: str, base: Config, contenders: Sequence[str] = 
         log(f"  {name}: verifying against eager ...")
         if name == "tgl":
             batch = next(iter(trainer.plan("train", 0)))
-            inputs = trainer.build_inputs(batch.roots, batch.times)
-            # same model code, other data path: its inputs must be the device path's, exactly
-            ref = Trainer(eager, graph, _contender_config(base, "eager"), progress=False)
-            _same_inputs(inputs, ref.build_inputs(batch.roots, batch.times))
+            # same model code, other data path: its inputs must be the device path's, exactly;
+            # both padded from nothing (a shape plan saved by an earlier run pads one further)
+            fresh = [cfg.copy(), _contender_config(base, "eager")]
+            for c in fresh:
+                c.pipeline.shape_plans = False
+            _same_inputs(*(Trainer(copy.deepcopy(eager), graph, c, progress=False).build_inputs(batch.roots, batch.times)
+                           for c in fresh))
             result.verified = "inputs equal to the device path's; model is eager"
         else:
             inputs = _warm_batch(trainer, eager)

@@ -76,9 +76,10 @@ def _add_bench(sub) -> None:
     p.add_argument("--batch-size", type=int, default=600, help="positive events per batch (default 600)")
     p.add_argument("--edge-dim", type=int, default=172,
                    help="random edge features of this width when the data has none (default 172)")
-    p.add_argument("--contenders", default=",".join(c for c in CONTENDERS if c != "fastopt-tuned"),
-                   help=f"comma-separated, from {', '.join(CONTENDERS)} (default all but "
-                        f"fastopt-tuned, which runs fastopt with its tuning record beside the defaults)")
+    p.add_argument("--contenders", default=",".join(c for c in CONTENDERS if c not in ("fastopt-host", "fastopt-tuned")),
+                   help=f"comma-separated, from {', '.join(CONTENDERS)} (default all but fastopt-host, "
+                        f"fastopt with the features in host memory through SlimCache, and fastopt-tuned, "
+                        f"which runs fastopt with its tuning record beside the defaults)")
     p.add_argument("--mrr-negatives", type=int, default=0, help="negatives per positive for test MRR (default 0)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a bar chart (PNG) here (needs matplotlib)")

@@ -93,15 +93,17 @@ class SamplerConfig:
 
 @dataclass
 class CacheConfig:
-    # where static features live: "device" (whole tables on the GPU), "host" (gathered on the host,
-    # copied per batch through the budgeted cache) or "auto" (device when they fit, else host)
+    # where static features live: "device" (whole tables on the GPU), "host" (pinned or mapped
+    # host tables, read through the budgeted cache) or "auto" (device when they fit, else host)
     placement: str = "auto"
-    # "auto" placement: the share of the device's free memory the static tables may take
-    device_budget_fraction: float = 0.5
+    device_budget_fraction: float = 0.5  # "auto" placement: the free device memory tables may take
     # GPU cache budget as a fraction of the cached tables' bytes (0 = dedup only, 1 = all)
     budget_fraction: float = 0.1
     # eviction policy: "static", "lru", "future" (Belady with the sampler's lookahead) or "auto"
     policy: str = "auto"
+    # how a GPU gets rows the cache lacks: "zero_copy" (it reads pinned host memory itself; static
+    # hot set per split, refreshed each epoch), "staged" (host gathers, then copies) or "auto"
+    host_reads: str = "auto"
     # dtype of static features on the wire and in the cache: "float32", "bfloat16" or "float16"
     transfer_dtype: str = "float32"
     # threads gathering cache misses into pinned staging buffers
@@ -393,6 +395,8 @@ class Config:
                self.cache.budget_fraction, "in [0, 1]")
         _check(self.cache.policy in ("static", "lru", "future", "auto"), "cache.policy",
                self.cache.policy, "one of 'static', 'lru', 'future', 'auto'")
+        _check(self.cache.host_reads in ("auto", "zero_copy", "staged"), "cache.host_reads",
+               self.cache.host_reads, "one of 'auto', 'zero_copy', 'staged'")
         _check(self.cache.transfer_dtype in ("float32", "bfloat16", "float16"), "cache.transfer_dtype",
                self.cache.transfer_dtype, "one of 'float32', 'bfloat16', 'float16'")
         _check(self.cache.gather_threads >= 1, "cache.gather_threads", self.cache.gather_threads, ">= 1")

@@ -36,6 +36,13 @@ __all__ = ["Trainer", "EventBatch", "resolve_device", "make_sampler", "make_opti
 
 
 
+def _zero_copy_reads(device: torch.device) -> Optional[Callable]:
+    """``codegen.cached_rows`` where the generated kernels run on ``device`` (SlimCache's zero-copy reads)."""
+    from fastopt import codegen
+    use = device.type == "cuda" and codegen.select_backend(torch.empty(0, device=device)) == "triton"
+    return codegen.cached_rows if use else None
+
+
 def resolve_device(spec: str) -> torch.device:
     """``"auto"`` picks CUDA when available; otherwise the named device, checked."""
     if spec == "auto":
@@ -64,10 +71,8 @@ def make_sampler(graph: TemporalGraph, fanouts, strategy: str, config: Config, *
         s = config.sampler
         return TemporalSampler(graph, fanouts=fanouts, strategy=strategy, threads=s.threads or None,
                                seed=config.train.seed, undirected=s.undirected, reorder=s.reorder,
-                               pin_threads=s.pin_threads, hop_dedup=hop_dedup and s.hop_dedup,
-                               pad_rows=pad_rows)
+                               pin_threads=s.pin_threads, hop_dedup=hop_dedup and s.hop_dedup, pad_rows=pad_rows)
     from fastopt.sampling import NumpySampler
-
     return NumpySampler(graph, fanouts, strategy, seed=config.train.seed, undirected=config.sampler.undirected,
                         hop_dedup=hop_dedup and config.sampler.hop_dedup)
 
@@ -89,10 +94,9 @@ def make_optimizer(params, lr: float, device: torch.device, capturable: bool = F
 
 
 def tuning_fingerprint(model: nn.Module) -> dict:
-    """The key tuning records file ``model`` under (:func:`fastopt.tuner.records.model_fingerprint`)
-    from the structure of its traced graphs (:func:`fastopt.passes.graph_structure`). Here, where
-    the passes and the tuner may both be imported, so that the trainer, :func:`fastopt.optimize`
-    and the tuner (which does not import the passes) compute one and the same key."""
+    """The key tuning records file ``model`` under (:func:`fastopt.tuner.records.model_fingerprint`
+    of :func:`fastopt.passes.graph_structure`), here where the passes and the tuner may both be
+    imported: the trainer, :func:`fastopt.optimize` and the tuner compute one and the same key."""
     from fastopt.passes import graph_structure
     from fastopt.tuner.records import model_fingerprint
 
@@ -205,7 +209,8 @@ class Trainer:
                                     hop_dedup=getattr(model, "reads_nbr_index", False),
                                     pad_rows=self.device.type == "cuda")
         self.loader = Loader(graph, self.sampler, self.device, self.config,
-                             edge_rows=getattr(model, "reads_edge_rows", False))
+                             edge_rows=getattr(model, "reads_edge_rows", False),
+                             read_rows=_zero_copy_reads(self.device))
         self.negatives = self.loader.negatives
         self._shape_plan = self._load_shape_plan(graph) if self.device.type == "cuda" \
             and self.config.pipeline.shape_plans else None

@@ -46,7 +46,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -142,7 +142,7 @@ class Loader:
     """
 
     def __init__(self, graph, sampler, device: torch.device, config: Config, *,
-                 edge_rows: bool = False) -> None:
+                 edge_rows: bool = False, read_rows: Optional[Callable] = None) -> None:
         self.graph, self.sampler, self.config = graph, sampler, config
         self._keyed = (None, False)  # (sampler, whether its sample() takes a batch key)
         self.edge_rows = bool(edge_rows)
@@ -162,7 +162,9 @@ class Loader:
             # A mapped table is read in place: the cache gathers its misses from the file.
             mapped = isinstance(graph.edge_feat, np.memmap)
             self.cache = SlimCache({"edge": CacheTable(self.edge_table, mapped=mapped)}, self.device,
-                                   config.cache)
+                                   config.cache, read_rows=read_rows)
+        # the device reads the cache's misses from the pinned table itself (SlimCache.serve)
+        self.zero_copy = self.cache is not None and self.cache.zero_copy("edge")
         self.bytes_h2d = 0  # bytes copied host -> device since construction
         self.high_water = HighWater()  # padded unique lengths: only grow (_padded)
 
@@ -343,7 +345,7 @@ class Loader:
         ints["unique_nodes"] = self._padded(unique.values, "nodes", ints["roots"].numel(), batch)
         ints["node_inverse"] = _set_inverse(unique.inverse.reshape(-1), ints["roots"].numel(), blocks)
         staged = _Staged(batch, len(blocks))
-        if self.placement == "device" and self._pads_edges(batch):
+        if (self.placement == "device" or self.zero_copy) and self._pads_edges(batch):
             ints["edge_unique"] = self._unique_edge_ids(batch, ints)
         host_feats = self._host_features(batch, blocks, ints, staged)
         if self.placement != "device" or self.edge_table is None or "edge_unique" in ints:
@@ -363,7 +365,7 @@ class Loader:
             out["node_rows"] = {"node_rows": self._gather_host(self.node_table, ids)}
         if self.edge_table is not None:
             rows = {"event_rows": self.edge_table[batch.start:batch.stop]}
-            if blocks:
+            if blocks and "edge_unique" not in ints:  # (else read zero-copy in _upload)
                 # an epoch's batches go through the cache; an ad-hoc batch (index -1: inputs_for)
                 # reads its rows directly and leaves the cache's contents and plan as they are
                 if self.cache is not None and batch.index >= 0:
@@ -407,6 +409,10 @@ class Loader:
                 staged.tensors.update(zip(group.keys(), moved))
             if self.placement == "device":
                 self._gather_device(staged)
+            elif "edge_unique" in staged.tensors:  # zero-copy: an ad-hoc batch (index -1) counts nothing
+                staged.tensors["edge_rows"] = self.cache.serve(
+                    "edge", staged.tensors["edge_unique"], unique=staged.batch.sampled.unique_eids,
+                    counted=staged.batch.index >= 0)
             staged.event = torch.cuda.Event()
             staged.event.record(self._copy_stream)
 

@@ -13,6 +13,12 @@ read-write state (node memory, its timestamps, the mailbox). SlimCache serves th
    pinned staging buffers and copied on a dedicated stream (:mod:`fastopt.runtime.staging`). A
    policy decides what stays (:mod:`fastopt.runtime.cache_policy`): ``static`` (preloaded hot
    set), ``lru``, ``future`` (Belady's rule over the announced batches) or ``auto``.
+3. **Zero-copy reads** (``config.host_reads``; a static table in pinned host memory on a GPU,
+   given the ``read_rows`` kernel): :meth:`SlimCache.serve` reads a batch's rows in one launch,
+   cached ones from the slots and the rest from the host table by the GPU itself, with no host
+   gather, staging or per-batch bookkeeping beyond the counters. The slots hold a static hot set
+   per split (:meth:`SlimCache.plan`'s ``split``): the sample's at first, then, at each epoch, the
+   rows that split's last epoch used most.
 
 Read-write tables are never lost: a write to a resident row marks its slot dirty, a dirty row is
 copied back before its slot is reused and at :meth:`SlimCache.flush`; a write to a row that is not
@@ -45,7 +51,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Dict, Iterable, List, Mapping, Optional, Union
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Union
 
 import torch
 
@@ -92,6 +98,9 @@ class SlimCache:
         budget_bytes: the device budget in bytes, overriding ``config.budget_fraction``; an int is
             split between tables by ``config.split``, a mapping gives each table its own.
         record: keep every table's access stream for :meth:`optimum`.
+        read_rows: ``codegen.cached_rows``, for zero-copy reads (``config.host_reads``): a static
+            table held in pinned host memory is then served by :meth:`serve`, the device reading
+            the rows its slots lack from the host table itself (no host gather, no staging).
 
     Raises:
         CacheError: a negative budget, a budget above the device's free memory, an unknown
@@ -101,7 +110,7 @@ class SlimCache:
     def __init__(self, tables: Mapping[str, Union[CacheTable, torch.Tensor]],
                  device: Union[str, torch.device] = "cpu", config: Optional[CacheConfig] = None,
                  budget_bytes: Union[None, int, Mapping[str, int]] = None,
-                 record: bool = False) -> None:
+                 record: bool = False, read_rows: Optional[Callable] = None) -> None:
         if config is None:
             from fastopt.config import default_config
             config = default_config().cache
@@ -120,7 +129,9 @@ class SlimCache:
         for name, spec in tables.items():
             spec = spec if isinstance(spec, CacheTable) else CacheTable(spec)
             check_table(name, spec)
-            self._tables[name] = TableCache(name, spec, self.device, transfer, config.gather_threads)
+            zero_copy = _zero_copy(name, spec, self.device, config, read_rows)
+            self._tables[name] = TableCache(name, spec, self.device, transfer, config.gather_threads,
+                                            read_rows if zero_copy else None)
             if record:
                 self._tables[name].recorded = []
         self._budget = self._resolve_budget(budget_bytes)
@@ -175,7 +186,9 @@ class SlimCache:
         for name, table in self._tables.items():
             capacity = shares[name] // table.row_bytes if table.row_bytes else 0
             policy = self.config.policy
-            if policy == "auto":
+            if table.read_rows is not None:
+                policy = "static"  # its hot set: the sample's, if any, then each epoch's (begin_split)
+            elif policy == "auto":
                 policy = choose_policy(table.num_rows, min(capacity, table.num_rows),
                                        sample[name] if sample is not None else None)
             elif policy == "static" and sample is None:
@@ -187,13 +200,14 @@ class SlimCache:
             if policy == "static" and sample is not None:
                 table.preload(access_counts(sample[name], table.num_rows), self._transfer)
 
-    def plan(self, stream: Iterable[Mapping[str, Ids]]) -> None:
+    def plan(self, stream: Iterable[Mapping[str, Ids]], split: str = "") -> None:
         """Tell the cache this epoch's batches ahead of time (ids per table, in batch order).
 
         The first plan fixes the budget split and the policies: the leading
         ``config.sample_fraction`` of the batches is counted to pick the static hot set, the
         greedy split and ``auto``'s choice. Every plan starts a new epoch of the ``future``
-        policy and announces all its batches; more can follow with :meth:`announce`.
+        policy and announces all its batches; more can follow with :meth:`announce`. ``split``
+        names the epoch's data (zero-copy tables keep a hot set per split).
         """
         with self._lock:
             batches = [self._unique_batch(b) for b in stream]
@@ -201,15 +215,18 @@ class SlimCache:
                 n = max(1, math.ceil(self.config.sample_fraction * len(batches))) if batches else 0
                 sample = {name: [b[name] for b in batches[:n] if name in b] for name in self._tables}
                 self._seal(sample)
-            self.begin_epoch()
+            self.begin_epoch(split)
             for batch in batches:
                 self._announce_unique(batch)
 
-    def begin_epoch(self) -> None:
-        """Restart the ``future`` policy's batch numbering; announce the new epoch's batches next."""
+    def begin_epoch(self, split: str = "") -> None:
+        """Restart the ``future`` policy's batch numbering; announce the new epoch's batches next.
+        A zero-copy table installs the hot set ``split``'s last epoch used."""
         with self._lock:
             self._seal(None)
             for table in self._tables.values():
+                if table.read_rows is not None:
+                    table.begin_split(split, self._transfer.stream)
                 if table.index is not None:
                     if table.pending:
                         raise CacheError(f"table {table.name!r} has {len(table.pending)} staged "
@@ -264,6 +281,24 @@ class SlimCache:
                 raise CacheError(f"table {table!r} is read-write, so it cannot be staged ahead of "
                                  f"the step that writes it; use lookup()")
             return self._stage(table, ids, unique, announced)
+
+    def serve(self, table: str, ids: torch.Tensor, *, unique: Unique, counted: bool = True) -> torch.Tensor:
+        """Rows of a zero-copy table for ``ids`` (device ids, padding given as a valid row) on
+        the current stream, in one launch; ``unique``: the batch's unique ids on the host (with
+        -1 for padding), which the counters and the next hot set count (``counted=False``: a
+        lookup outside the epoch, which counts nothing)."""
+        with self._lock:
+            t = self._table(table)
+            if t.read_rows is None:
+                raise CacheError(f"table {table!r} is not read zero-copy (cache.host_reads, a pinned "
+                                 f"static table on a GPU); use stage()/finish() or lookup()")
+            self._seal(None)
+            values, inverse, pad = t.unique_of(unique)
+            return t.serve(ids, values[pad:], t.requested(inverse, pad) if counted else 0, counted)
+
+    def zero_copy(self, table: str) -> bool:
+        """Whether ``table`` is served by :meth:`serve` (zero-copy reads)."""
+        return self._table(table).read_rows is not None
 
     def finish(self, pending: PendingRows) -> UniqueRows:
         """Complete a staged lookup on the current stream (waits only for its own copy)."""
@@ -399,6 +434,24 @@ class SlimCache:
         """Stop the gather threads."""
         for t in self._tables.values():
             t.gatherer.close()
+
+
+def _zero_copy(name: str, spec: CacheTable, device: torch.device, config: CacheConfig,
+               read_rows: Optional[Callable]) -> bool:
+    """Whether table ``name`` is read zero-copy (``config.host_reads``); CacheError when asked for
+    and impossible. ``auto``: on a GPU, given the kernel, for a static table in RAM under the
+    static or auto policy."""
+    if config.host_reads == "staged":
+        return False
+    why = ("no row-reading kernel was given (read_rows=codegen.cached_rows; triton needed)" if read_rows is None
+           else "it is read-write (rows are written back)" if spec.writable
+           else "it is memory-mapped (pinning would read the whole file into RAM)" if spec.mapped
+           else f"policy {config.policy!r} admits rows per batch (zero-copy keeps a static hot set)"
+           if config.policy not in ("auto", "static") else "")
+    if config.host_reads == "zero_copy" and why:
+        raise CacheError(f"cache.host_reads='zero_copy' cannot serve table {name!r}: {why}; use "
+                         f"host_reads 'auto' or 'staged'")
+    return not why and (device.type == "cuda" or config.host_reads == "zero_copy")
 
 
 def _check_budget(value: int, what: str) -> None:

@@ -26,10 +26,11 @@ Layering: imports nothing of fastopt but :mod:`fastopt.errors` and other runtime
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass, fields
-from typing import Deque, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -156,7 +157,7 @@ class TableCache:
     """
 
     def __init__(self, name: str, spec: CacheTable, device: torch.device, transfer: torch.dtype,
-                 threads: int) -> None:
+                 threads: int, read_rows: Optional[Callable] = None) -> None:
         data = spec.data
         self.name, self.writable, self.device = name, spec.writable, device
         self.is_1d = data.dim() == 1
@@ -171,7 +172,8 @@ class TableCache:
             self.host = host
         else:
             # The cache owns its host copy: writes land there, and a GPU needs it pinned.
-            if spec.writable or host.dtype != self.dtype or device.type == "cuda":
+            # (a pinned table of the right dtype is only ever read: it is shared, not copied)
+            if spec.writable or host.dtype != self.dtype or (device.type == "cuda" and not host.is_pinned()):
                 host = host.to(self.dtype, copy=True)
             if device.type == "cuda":
                 host = host.pin_memory()
@@ -191,6 +193,12 @@ class TableCache:
         self.pending: Deque[PendingRows] = deque()
         self.seq = 0
         self.recorded: Optional[List[torch.Tensor]] = None
+        # zero-copy reads (read_rows: codegen.cached_rows): the device reads misses from the host
+        # table itself; a static hot set per split, refreshed from the rows its last epoch used
+        self.read_rows = read_rows
+        self.seen: Optional[torch.Tensor] = None  # uses per row in the current epoch
+        self.split = ""
+        self.used: Dict[str, torch.Tensor] = {}  # split -> uses per row in its last epoch
 
     @property
     def table_bytes(self) -> int:
@@ -332,6 +340,74 @@ class TableCache:
         if self.is_1d:
             rows = rows.reshape(-1)
         return UniqueRows(pending.ids, rows, index)
+
+    # ---------------------------------------------------------------- zero-copy reads
+
+    def serve(self, ids: torch.Tensor, values: torch.Tensor, requested: int, counted: bool) -> torch.Tensor:
+        """Rows of ``ids`` (on the device, any valid rows) read on the current stream by one
+        launch: hits from the slots, the rest from the host table by the device itself.
+        ``values``: the batch's unique valid ids on the host, for the counters and the next hot
+        set (``counted=False``: a lookup outside the epoch, neither)."""
+        if counted:
+            c, n = self.counters, values.numel()
+            hits = int((self.directory.slot_of.index_select(0, values) >= 0).sum()) if n else 0
+            c.batches += 1
+            c.requested += requested
+            c.naive_bytes += requested * self.row_bytes
+            c.lookups += n
+            c.dedup_bytes += n * self.row_bytes
+            c.hits += hits
+            c.misses += n - hits
+            c.rows_h2d += n - hits
+            c.bytes_h2d += (n - hits) * self.row_bytes
+            if self.seen is not None:
+                self.seen.index_add_(0, values, torch.ones(n, dtype=torch.int32))
+        slots = self.slots if self.slots.shape[0] else torch.zeros((1,) + self.row_shape, dtype=self.dtype,
+                                                                     device=self.device)
+        return self.read_rows(ids, self.slot_map, slots, self.host)
+
+    def begin_split(self, split: str, stream: Optional["torch.cuda.Stream"]) -> None:
+        """Start an epoch of ``split``: keep the uses counted in the epoch before, and make the
+        hot set the rows ``split``'s last epoch used most (kept where it has none yet)."""
+        if self.seen is not None and int(self.seen.count_nonzero()):
+            self.used[self.split] = self.seen
+        self.split, self.seen = split, torch.zeros(self.num_rows, dtype=torch.int32)
+        if split in self.used:
+            self._install(self.used[split], stream)
+
+    def _install(self, uses: torch.Tensor, stream: Optional["torch.cuda.Stream"]) -> None:
+        """Give the ``capacity`` most used rows slots: the free ones, then those of residents
+        outside the new hot set; their rows are read from the host on ``stream``."""
+        d = self.directory
+        hot = torch.nonzero(uses > 0).flatten()
+        if hot.numel() > d.capacity:
+            hot = hot[torch.sort(uses[hot], descending=True, stable=True).indices[:d.capacity]]
+        incoming = hot[d.slot_of.index_select(0, hot) < 0]
+        if incoming.numel() == 0:
+            return
+        wanted = torch.zeros(self.num_rows, dtype=torch.bool)
+        wanted[hot] = True
+        occupied = torch.nonzero(d.id_of >= 0).flatten()
+        leaving = occupied[~wanted.index_select(0, d.id_of.index_select(0, occupied))]
+        free = torch.arange(d.filled, d.capacity)
+        slots = torch.cat([free, leaving])[:incoming.numel()]
+        d.filled += min(free.numel(), incoming.numel())
+        old = d.id_of.index_select(0, slots)
+        evicted = old[old >= 0]
+        d.slot_of.index_fill_(0, evicted, -1)
+        d.slot_of.index_copy_(0, incoming, slots.to(torch.int32))
+        d.id_of.index_copy_(0, slots, incoming)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            dev_slots, dev_in, dev_out = (t.to(self.device, non_blocking=False) for t in (slots, incoming, evicted))
+            self.slot_map.index_fill_(0, dev_out, -1)
+            rows = self.read_rows(dev_in, self.slot_map, self.slots, self.host)  # not mapped yet: host rows
+            self.slots.index_copy_(0, dev_slots, rows)
+            self.slot_map.index_copy_(0, dev_in, dev_slots.to(torch.int32))
+        c = self.counters
+        c.preloaded += incoming.numel()
+        c.rows_h2d += incoming.numel()
+        c.bytes_h2d += incoming.numel() * self.row_bytes
+        c.evictions += evicted.numel()
 
     def preload(self, counts: torch.Tensor, transfer: TransferStream) -> None:
         """Copy the most used rows of the sample into the slots (the static hot set)."""

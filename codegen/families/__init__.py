@@ -14,7 +14,9 @@ smallest complete example (``codegen/README.md`` walks through adding one).
   backward of the two neighbor families; no operator of its own), and ``row_sums``, the gradient
   of a gather ``table[index]`` (the weight gradient of projected unique rows);
 - ``matmul``: the projections' products (:func:`~fastopt.codegen.families.matmul.linear`);
-- ``column_sum``: deterministic column sums (bias gradients).
+- ``column_sum``: deterministic column sums (bias gradients);
+- ``cached_rows``: rows of a table by id through a device cache, the uncached ones read from
+  pinned host memory by the GPU (SlimCache's zero-copy reads; no operator, not differentiable).
 
 Nothing is re-exported here: ``fastopt.codegen`` is the public surface.
 """

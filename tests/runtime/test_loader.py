@@ -88,6 +88,40 @@ def test_edge_rows_select_the_reference_features_bitwise(small_graph, placement,
                 assert got.edge_rows.shape[0] == slots
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("host_reads,edge_rows", [("zero_copy", True), ("zero_copy", False), ("staged", True)])
+def test_host_placement_on_cuda_gives_the_device_paths_inputs_bitwise(small_graph, host_reads, edge_rows):
+    """Features in pinned host memory through a 20 % cache (read by the GPU itself, or gathered
+    and copied) reach the model as the device tables' do, for two epochs of each split: the
+    second epoch of a split runs on the hot set its first one used."""
+    from fastopt.codegen import cached_rows
+
+    streams = {}
+    for placement in ("device", "host"):
+        cfg = config(cache__placement=placement, cache__host_reads=host_reads, cache__budget_fraction=0.2,
+                     train__device="cuda")
+        loader = Loader(small_graph, NumpySampler(small_graph, [3, 2], "uniform", seed=5), torch.device("cuda"),
+                        cfg, edge_rows=edge_rows, read_rows=cached_rows)
+        assert loader.zero_copy == (placement == "host" and host_reads == "zero_copy")
+        got = []
+        for epoch, split in enumerate(["train", "val", "train", "val"]):
+            loader.sampler.reset(epoch)
+            with loader.epoch(split, epoch) as batches:
+                for b in batches:
+                    x = b.inputs
+                    feats = ([x.layer_edges(i)[0][x.layer_edges(i)[1]] for i in range(2)] if edge_rows
+                             else x.edge_feat)
+                    got.append([f.cpu() for f in feats] + [b.event_feat.cpu()])
+        streams[placement] = got
+        if loader.zero_copy:
+            c = loader.cache.counters("edge")
+            assert 0 < c.hits < c.lookups and c.preloaded > 0
+    assert len(streams["host"]) == len(streams["device"])
+    for h, d in zip(streams["host"], streams["device"]):
+        assert all(torch.equal(x, y) for x, y in zip(h, d, strict=True))
+
+
 @pytest.fixture
 def mapped_graph(tmp_path, small_graph):
     """:func:`small_graph` written as a graph folder and read back memory-mapped."""

@@ -532,3 +532,70 @@ def test_index_vectors_travel_packed_in_one_int64_buffer(tail):
     for p, g in zip(parts, got, strict=True):
         assert g.tolist() == p.reshape(-1).tolist()
     assert got32.dtype == torch.int32 and got32.tolist() == tail
+
+
+def zero_copy_cache(edge, budget: float, stream, split: str = "train") -> SlimCache:
+    from fastopt.codegen import cached_rows
+
+    cache = SlimCache({"edge": edge}, config=CacheConfig(budget_fraction=budget, host_reads="zero_copy"),
+                      read_rows=cached_rows)
+    cache.plan(stream[:4], split=split)
+    return cache
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS))
+def test_zero_copy_reads_serve_the_table_and_refresh_the_hot_set_per_split(budget):
+    """Served rows equal the table's bit for bit in every epoch; the counters add up (a hit is a
+    row the slots held); each split's next epoch starts with the rows its last epoch used most."""
+    edge, _ = make_tables()
+    stream = [b["edge"] for b in make_stream()]
+    cache = zero_copy_cache(edge, BUDGETS[budget], [{"edge": s} for s in stream])
+    assert cache.zero_copy("edge") and cache.policy("edge") == "static"
+    capacity = cache.capacity("edge")
+    for epoch, split in enumerate(["train", "val", "train", "val"]):
+        if epoch:
+            cache.begin_epoch(split)
+        batches = stream if split == "train" else stream[::-1][:10]
+        uses, hits, lookups = torch.zeros(EDGES, dtype=torch.long), 0, 0
+        before = cache.counters("edge").hits
+        for ids in batches:
+            unique = Unique.of(ids)
+            resident = cache.slot_map("edge")[unique.values.clamp(min=0)] >= 0
+            hits += int(resident[unique.values >= 0].sum())
+            valid = unique.values[unique.values >= 0]
+            lookups += valid.numel()
+            uses[valid] += 1
+            rows = cache.serve("edge", unique.values.clamp(min=0), unique=unique)
+            assert torch.equal(rows.view(torch.int32), edge[unique.values.clamp(min=0)].view(torch.int32))
+        assert cache.counters("edge").hits - before == hits
+        if epoch >= 2 and capacity:  # the split's last epoch's most used rows are resident
+            want = torch.sort(uses, descending=True, stable=True).indices[:min(capacity, int((uses > 0).sum()))]
+            resident = cache.slot_map("edge")[want] >= 0
+            assert bool(resident.all())
+        slot_map = cache.slot_map("edge")
+        held = torch.nonzero(slot_map >= 0).flatten()
+        assert held.numel() <= capacity
+        assert torch.equal(cache.slots("edge")[slot_map[held].long()], edge[held])
+    c = cache.counters("edge")
+    assert c.hits + c.misses == c.lookups and c.rows_h2d == c.misses + c.preloaded
+    assert c.bytes_h2d == c.rows_h2d * c.row_bytes and c.lookups <= c.requested
+    if capacity == 0:
+        assert c.hits == 0 and c.preloaded == 0
+
+
+def test_zero_copy_reads_refuse_what_they_cannot_serve(tmp_path):
+    from fastopt.codegen import cached_rows
+
+    edge, mem = make_tables()
+    zero = CacheConfig(host_reads="zero_copy")
+    with pytest.raises(CacheError, match="read-write"):
+        SlimCache({"memory": CacheTable(mem, writable=True)}, config=zero, read_rows=cached_rows)
+    with pytest.raises(CacheError, match="admits rows per batch"):
+        SlimCache({"edge": edge}, config=CacheConfig(host_reads="zero_copy", policy="lru"), read_rows=cached_rows)
+    with pytest.raises(CacheError, match="no row-reading kernel"):
+        SlimCache({"edge": edge}, config=zero)
+    # auto: never on the CPU, where nothing is gained; staged reads are the same lookups
+    assert not SlimCache({"edge": edge}, read_rows=cached_rows).zero_copy("edge")
+    staged = SlimCache({"edge": edge})
+    with pytest.raises(CacheError, match="not read zero-copy"):
+        staged.serve("edge", torch.zeros(1, dtype=torch.long), unique=Unique.of(torch.zeros(1, dtype=torch.long)))

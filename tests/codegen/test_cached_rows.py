@@ -1,0 +1,72 @@
+"""Rows through a device cache (``codegen.cached_rows``): the generated kernel against the table
+itself, bit for bit, and a table in pinned host memory read by the GPU directly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastopt.codegen as cg
+from fastopt.errors import KernelError
+
+pytestmark = pytest.mark.usefixtures("triton_backend")
+
+
+def _cache(table: torch.Tensor, cached: torch.Tensor, device):
+    """A slot map and slots holding ``cached`` rows of ``table`` in shuffled slots."""
+    g = torch.Generator().manual_seed(1)
+    slots_of = torch.randperm(cached.numel(), generator=g)
+    slot_map = torch.full((table.shape[0],), -1, dtype=torch.int32)
+    slot_map[cached] = slots_of.int()
+    slots = torch.empty((cached.numel(),) + tuple(table.shape[1:]), dtype=table.dtype)
+    slots[slots_of] = table[cached]
+    return slot_map.to(device), slots.to(device)
+
+
+@pytest.mark.parametrize("rows, width, dtype", [(50, 172, torch.float32), (40, 7, torch.float32),
+                                                (30, 300, torch.bfloat16), (10, 1, torch.float32)])
+def test_cached_rows_equal_the_table_bit_for_bit(rows, width, dtype, device):
+    """Hits and misses mixed, repeated ids, every width class (one column block, a partial one,
+    two blocks past 256, one column), signed zeros and NaNs kept as they are."""
+    g = torch.Generator().manual_seed(rows + width)
+    table = torch.randn(rows, width, generator=g).to(dtype)
+    table[3, 0], table[4, 0] = -0.0, float("nan")
+    cached = torch.randperm(rows, generator=g)[: rows // 3]
+    slot_map, slots = _cache(table, cached, device)
+    ids = torch.randint(0, rows, (257,), generator=g)
+    ids[:3] = torch.tensor([3, 4, cached[0]])
+    got = cg.cached_rows(ids.to(device), slot_map, slots, table.to(device))
+    want = table[ids]
+    assert got.dtype == dtype and got.shape == (257, width)
+    assert torch.equal(got.cpu().view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+def test_cached_rows_into_out_and_empty(device):
+    table = torch.arange(12.0).reshape(6, 2)
+    slot_map, slots = _cache(table, torch.tensor([1, 4]), device)
+    out = torch.full((3, 2), -1.0, device=device)
+    assert cg.cached_rows(torch.tensor([4, 0, 5], device=device), slot_map, slots, table.to(device), out) is out
+    assert torch.equal(out.cpu(), table[[4, 0, 5]])
+    assert cg.cached_rows(torch.zeros(0, dtype=torch.long, device=device), slot_map, slots,
+                          table.to(device)).shape == (0, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cached_rows_read_a_pinned_host_table_from_the_gpu():
+    table = torch.randn(1000, 172).pin_memory()
+    slot_map, slots = _cache(table, torch.arange(0, 1000, 7), "cuda")
+    ids = torch.randint(0, 1000, (5000,), device="cuda")
+    assert torch.equal(cg.cached_rows(ids, slot_map, slots, table).cpu(), table[ids.cpu()])
+
+
+def test_cached_rows_name_what_does_not_fit():
+    table = torch.zeros(5, 3)
+    slot_map, slots = _cache(table, torch.tensor([1]), "cpu")
+    with pytest.raises(KernelError, match="1-d int32/int64"):
+        cg.cached_rows(torch.zeros(2, 2, dtype=torch.long), slot_map, slots, table)
+    with pytest.raises(KernelError, match="one entry per table row"):
+        cg.cached_rows(torch.zeros(2, dtype=torch.long), slot_map[:3], slots, table)
+    with pytest.raises(KernelError, match="do not match table rows"):
+        cg.cached_rows(torch.zeros(2, dtype=torch.long), slot_map, slots.double(), table)
