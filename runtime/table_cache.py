@@ -348,9 +348,9 @@ class TableCache:
         launch: hits from the slots, the rest from the host table by the device itself.
         ``values``: the batch's unique valid ids on the host, for the counters and the next hot
         set (``counted=False``: a lookup outside the epoch, neither)."""
-        if counted:
-            c, n = self.counters, values.numel()
-            hits = int((self.directory.slot_of.index_select(0, values) >= 0).sum()) if n else 0
+        if counted:  # NumPy on a staging thread: torch's intra-op pool would contend with the sampler's
+            c, n, ids_np = self.counters, values.numel(), values.numpy()
+            hits = int(np.count_nonzero(self.directory.slot_of.numpy()[ids_np] >= 0))
             c.batches += 1
             c.requested += requested
             c.naive_bytes += requested * self.row_bytes
@@ -361,7 +361,7 @@ class TableCache:
             c.rows_h2d += n - hits
             c.bytes_h2d += (n - hits) * self.row_bytes
             if self.seen is not None:
-                self.seen.index_add_(0, values, torch.ones(n, dtype=torch.int32))
+                self.seen.numpy()[ids_np] += 1  # a batch's ids are distinct
         slots = self.slots if self.slots.shape[0] else torch.zeros((1,) + self.row_shape, dtype=self.dtype,
                                                                      device=self.device)
         return self.read_rows(ids, self.slot_map, slots, self.host)

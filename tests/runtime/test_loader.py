@@ -112,7 +112,8 @@ def test_host_placement_on_cuda_gives_the_device_paths_inputs_bitwise(small_grap
                     x = b.inputs
                     feats = ([x.layer_edges(i)[0][x.layer_edges(i)[1]] for i in range(2)] if edge_rows
                              else x.edge_feat)
-                    got.append([f.cpu() for f in feats] + [b.event_feat.cpu()])
+                    # valid slots (a padded one reads edge 0's row on one path, zeros on another)
+                    got.append([f[m].cpu() for f, m in zip(feats, x.mask, strict=True)] + [b.event_feat.cpu()])
         streams[placement] = got
         if loader.zero_copy:
             c = loader.cache.counters("edge")
