@@ -32,7 +32,14 @@ roots and every valid sampled neighbor node. Reported per table:
   same updates on one plain tensor on ``--device``; float32 ``tanh`` differs in the last bits
   between the CPU and CUDA, so the reference must run where the cache's updates run); a
   mismatch is printed and the script exits with status 1;
-* with ``--device cuda``, transfer time per epoch against the naive path.
+* with ``--device cuda``, the epoch's wall-clock against the naive path and against all on the
+  device (each batch's unique ids copied over and their rows gathered from a device table);
+* every served edge row checked against the table after timing; a wrong row is printed and the
+  script exits with status 1.
+
+``--policies zero_copy`` adds SlimCache's zero-copy reads of the edge features
+(``cache.host_reads``): the device reads the rows its static hot set lacks straight from pinned
+host memory; a warm-up epoch installs the hot set the timed epoch runs on.
 
 ``bench/slimcache_sim.py`` recomputes the same counts with plain NumPy, independently of fastopt.
 
@@ -178,23 +185,88 @@ def memory_update(rows: torch.Tensor) -> torch.Tensor:
     return torch.tanh(rows * 0.9 + 0.1)
 
 
+def served_rows_wrong(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> int:
+    """Rows of ``rows`` (served for the sorted unique ``ids``, -1 = padding) that are not the
+    table's, bit for bit."""
+    valid = ids >= 0
+    want, got = table[ids[valid]], rows.cpu()[valid]
+    return int((got.view(torch.int32) != want.view(torch.int32)).reshape(want.shape[0], -1).any(1).sum())
+
+
+def replay_zero_copy(epoch: EpochStream, tables: Dict[str, torch.Tensor], fraction: float,
+                     device: str) -> dict:
+    """The static features read zero-copy (``cache.host_reads``): a warm-up epoch counts the
+    rows used, the timed one runs on the hot set it installs (as each epoch after a split's first
+    does in training); the served rows are checked against the table after timing."""
+    from fastopt.codegen import cached_rows
+
+    edge = tables["edge_feat"]
+    host = edge.pin_memory() if device.startswith("cuda") else edge
+    cache = SlimCache({"edge_feat": host}, device=device, read_rows=cached_rows,
+                      budget_bytes={"edge_feat": int(fraction * edge.numel() * edge.element_size())},
+                      config=CacheConfig(host_reads="zero_copy"))
+    ids = [b["edge_feat"].values.clamp(min=0) for b in epoch.batches]
+    if device.startswith("cuda"):
+        ids = [i.pin_memory() for i in ids]
+
+    def one_epoch(keep: bool) -> list:
+        cache.plan([{"edge_feat": b["edge_feat"].values} for b in epoch.batches[:4]], split="train")
+        served = []
+        for batch, i in zip(epoch.batches, ids):
+            rows = cache.serve("edge_feat", i.to(device, non_blocking=True), unique=batch["edge_feat"])
+            if keep:
+                served.append(rows)
+        return served
+
+    one_epoch(False)
+    before = cache.counters("edge_feat").to_dict()
+    _sync(device)
+    start = time.perf_counter()
+    one_epoch(False)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    after = cache.counters("edge_feat").to_dict()
+    counters = {k: (after[k] - before[k] if k not in ("row_bytes", "hit_rate") else after[k]) for k in after}
+    counters["hit_rate"] = counters["hits"] / max(1, counters["lookups"])
+    wrong = sum(served_rows_wrong(edge, b["edge_feat"].values, rows)
+                for b, rows in zip(epoch.batches, one_epoch(True)))
+    return {"seconds": seconds, "rows_wrong": wrong,
+            "tables": {"edge_feat": dict(counters, capacity=cache.capacity("edge_feat"), policy="zero_copy")}}
+
+
+def device_gather_seconds(epoch: EpochStream, table: torch.Tensor, device: str) -> float:
+    """All on the device: each batch's unique ids copied over and their rows gathered there."""
+    resident = table.to(device)
+    ids = [b["edge_feat"].values.clamp(min=0).pin_memory() for b in epoch.batches]
+    _sync(device)
+    start = time.perf_counter()
+    for i in ids:
+        resident.index_select(0, i.to(device, non_blocking=True))
+    _sync(device)
+    return time.perf_counter() - start
+
+
 def replay(epoch: EpochStream, tables: Dict[str, torch.Tensor], policy: str, fraction: float,
            device: str, threads: int) -> dict:
-    """One epoch through SlimCache; returns its counters, memory check and wall time."""
+    """One epoch through SlimCache; returns its counters, memory check and wall time, and how
+    many served edge rows were not the table's (checked after timing: the rows are kept)."""
+    if policy == "zero_copy":
+        return replay_zero_copy(epoch, tables, fraction, device)
     specs = {name: CacheTable(tables[name], writable=(name == "memory")) for name in epoch.tables}
     budget = {name: int(fraction * t.numel() * t.element_size()) for name, t in
               ((n, tables[n]) for n in epoch.tables)}
     cache = SlimCache(specs, device=device, budget_bytes=budget,
-                      config=CacheConfig(policy=policy, gather_threads=threads))
+                      config=CacheConfig(policy=policy, gather_threads=threads, host_reads="staged"))
     cache.plan([{n: b[n].values for n in epoch.tables} for b in epoch.batches])
     _sync(device)
+    served = []
     start = time.perf_counter()
     pending = cache.stage("edge_feat", unique=epoch.batches[0]["edge_feat"])
     for i, batch in enumerate(epoch.batches):
         # The next batch's static features are staged while this one is used (double buffering).
         ahead = (cache.stage("edge_feat", unique=epoch.batches[i + 1]["edge_feat"])
                  if i + 1 < len(epoch.batches) else None)
-        cache.finish(pending)
+        served.append(cache.finish(pending))
         pending = ahead
         if "memory" in batch:
             memory = cache.lookup("memory", unique=batch["memory"])
@@ -208,7 +280,8 @@ def replay(epoch: EpochStream, tables: Dict[str, torch.Tensor], policy: str, fra
     cache.flush()
     _sync(device)
     seconds = time.perf_counter() - start
-    result = {"seconds": seconds, "tables": {}}
+    wrong = sum(served_rows_wrong(tables["edge_feat"], rows.ids, rows.rows) for rows in served)
+    result = {"seconds": seconds, "tables": {}, "rows_wrong": wrong}
     for name in epoch.tables:
         result["tables"][name] = dict(cache.counters(name).to_dict(), capacity=cache.capacity(name),
                                       policy=cache.policy(name))
@@ -306,8 +379,9 @@ def run(args) -> dict:
                         "max_abs_diff": float((on_host - tables["memory_reference"]).abs().max())}
                     print(f"# memory reference: {differ} of {on_host.numel()} elements differ between "
                           f"the update run on the host and on {args.device}", flush=True)
-            naive_seconds = (naive_transfer_seconds(epoch, tables, args.device)
-                             if args.device.startswith("cuda") else None)
+            cuda = args.device.startswith("cuda")
+            naive_seconds = naive_transfer_seconds(epoch, tables, args.device) if cuda else None
+            device_seconds = device_gather_seconds(epoch, tables["edge_feat"], args.device) if cuda else None
             streams = {t: [b[t].values[b[t].values >= 0] for b in epoch.batches] for t in epoch.tables}
             for fraction in args.budgets:
                 optimum = {}
@@ -328,12 +402,14 @@ def run(args) -> dict:
                                "hit_rate": c["hit_rate"], "belady_hit_rate": optimum[table].hit_rate,
                                "belady_x_vs_naive": c["naive_bytes"] / max(1, optimum[table].misses
                                                                            * c["row_bytes"]),
-                               "counters": c, "epoch_seconds": res["seconds"]}
+                               "counters": c, "epoch_seconds": res["seconds"],
+                               "rows_wrong": res["rows_wrong"] if table == "edge_feat" else 0}
                         if table == "memory":
                             row["memory_equal"] = res["memory_equal"]
                             row["memory_max_abs_diff"] = res["memory_max_abs_diff"]
                         if naive_seconds is not None:
                             row["naive_transfer_seconds"] = naive_seconds
+                            row["device_gather_seconds"] = device_seconds
                         rows.append(row)
                         print_row(row)
     report["targets"] = check_targets(rows)
@@ -353,7 +429,10 @@ def print_row(row: dict) -> None:
     if "memory_equal" in row:
         extra += "  write-back equal" if row["memory_equal"] else "  WRITE-BACK MISMATCH"
     if "naive_transfer_seconds" in row:
-        extra += f"  {row['epoch_seconds']:.2f}s vs naive {row['naive_transfer_seconds']:.2f}s"
+        extra += (f"  {row['epoch_seconds']:.3f}s vs naive {row['naive_transfer_seconds']:.3f}s, "
+                  f"all on the device {row['device_gather_seconds']:.3f}s")
+    if row["rows_wrong"]:
+        extra += f"  {row['rows_wrong']} WRONG ROWS"
     print(f"{row['dataset']:<24}{row['stream']:<6}{row['table']:<10}{row['budget']:>7.0%} {policy:<14}"
           f"{row['bytes_h2d'] / 1e6:>10.1f}{row['x_vs_naive']:>9.1f}{row['x_dedup_vs_naive']:>9.1f}"
           f"{100 * row['hit_rate']:>7.1f}{100 * row['belady_hit_rate']:>9.1f}"
@@ -377,10 +456,13 @@ def check_targets(rows: List[dict]) -> List[dict]:
 
 
 def write_back_mismatches(rows: List[dict]) -> List[str]:
-    """The runs whose host copy of memory after the epoch differs from the all-on-device run."""
+    """The runs whose host copy of memory after the epoch differs from the all-on-device run, or
+    that served edge rows other than the table's."""
     return [f"{r['dataset']} {r['stream']} budget {r['budget']:g} policy {r['policy']}: host memory "
             f"after the epoch differs from the all-on-device run by up to {r['memory_max_abs_diff']:.3g}"
-            for r in rows if r.get("memory_equal") is False]
+            for r in rows if r.get("memory_equal") is False] + \
+           [f"{r['dataset']} {r['stream']} budget {r['budget']:g} policy {r['policy']}: {r['rows_wrong']} "
+            f"served edge rows differ from the table's" for r in rows if r.get("rows_wrong")]
 
 
 def main(argv=None) -> int:
@@ -389,7 +471,9 @@ def main(argv=None) -> int:
     parser.add_argument("--datasets", nargs="+", default=DATASETS)
     parser.add_argument("--streams", nargs="+", default=list(STREAMS), choices=list(STREAMS))
     parser.add_argument("--budgets", nargs="+", type=float, default=BUDGETS)
-    parser.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES)
+    parser.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES + ["zero_copy"],
+                        help="cache policies (staged misses); zero_copy: the edge features read by "
+                             "the device from pinned host memory through a static hot set")
     parser.add_argument("--batch-size", type=int, default=600,
                         help="positive events per batch (issue 6's figures use 600)")
     parser.add_argument("--negatives", default="all", choices=NEGATIVES,

@@ -195,6 +195,39 @@ def test_slimcache_bench_fails_when_the_flush_loses_rows(monkeypatch, tmp_path, 
     assert "WRONG RESULT: wikipedia tgn budget 0.05 policy lru: host memory" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("policy", ["lru", "zero_copy"])
+def test_slimcache_bench_fails_when_a_served_row_is_wrong(monkeypatch, tmp_path, capsys, policy):
+    """A staged lookup or a zero-copy read that serves one wrong row fails the run."""
+    import fastopt.codegen as cg
+    from fastopt.runtime import table_cache
+
+    script = load("slimcache")
+    args = _slimcache_args(tmp_path)
+    args[args.index("lru")] = policy
+    if policy == "zero_copy":
+        real = cg.cached_rows
+
+        def off_by_one(ids, slot_map, slots, table, out=None):
+            rows = real(ids, slot_map, slots, table, out)
+            rows[-1] += 1.0
+            return rows
+
+        monkeypatch.setattr(cg, "cached_rows", off_by_one)
+    else:
+        real = table_cache.TableCache.finish
+
+        def finish(self, pending, transfer):
+            served = real(self, pending, transfer)
+            if self.name == "edge_feat":
+                served.rows[-1] += 1.0
+            return served
+
+        monkeypatch.setattr(table_cache.TableCache, "finish", finish)
+    assert script.main(args) == 1
+    # one wrong row in each of the 5 batches
+    assert f"policy {policy}: 5 served edge rows differ" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------- bench/projections.py
 def _cpu_projections_bench(monkeypatch, matmul):
     """bench/projections.py on the CPU: its products and checks, ``matmul`` standing in for the
