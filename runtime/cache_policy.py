@@ -57,10 +57,11 @@ NEVER = 1 << 40
 _STRIDE = 1 << 21
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-# Caches of up to this many slots find their eviction candidates by ranking every resident (about
-# 2 ms per lookup here on one core); larger ones keep the residents ranked (RankedSlots): at 5 M
-# slots 6 ms per lookup of 60 k random ids, against 190 ms for ranking every resident.
-_SCAN_SLOTS = 1 << 16
+# Caches of up to this many slots find their eviction candidates by ranking every resident; larger
+# ones keep the residents ranked as they change (RankedSlots). The two break even near 500 k slots
+# (`python bench/cache_directory.py`: 5-7 ms per lookup of 60 k random ids on one core); at 5 M
+# slots the ranking takes 7-10 ms against 75-113 ms.
+_SCAN_SLOTS = 1 << 19
 
 
 @dataclass
@@ -213,8 +214,8 @@ class RankedSlots:
     under it (one array per filing, stamped with the filing's number). A slot filed again goes
     stale in its older entry, which its stamp tells; a stale entry is dropped when its key's
     bucket is read, and when stale entries outnumber the slots the buckets are rebuilt. :meth:`largest` reads the top buckets only, so a
-    lookup costs in proportion to the rows it changes, not to the cache's capacity (ranking
-    every slot took 190 ms per lookup at 5 M slots on one core).
+    lookup costs in proportion to the rows it changes, not to the cache's capacity
+    (``bench/cache_directory.py``).
     """
 
     def __init__(self, capacity: int) -> None:
