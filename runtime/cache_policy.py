@@ -59,8 +59,8 @@ _STRIDE = 1 << 21
 _EMPTY = torch.empty(0, dtype=torch.int64)
 # Caches of up to this many slots find their eviction candidates by ranking every resident; larger
 # ones keep the residents ranked as they change (RankedSlots). The two break even near 500 k slots
-# (`python bench/cache_directory.py`: 5-7 ms per lookup of 60 k random ids on one core); at 5 M
-# slots the ranking takes 7-10 ms against 75-113 ms.
+# (`python bench/cache_directory.py`: 5-8 ms per lookup of 60 k random ids on one core); at 5 M
+# slots the ranking takes 7-11 ms against 66-164 ms.
 _SCAN_SLOTS = 1 << 19
 
 
