@@ -3,8 +3,8 @@
 Only knobs that can change the speed of *this* run are searched: sampler threads, node
 reordering and thread placement only when the model samples neighbors (placement where networkx
 can pair threads and more than one runs), ``sampler.hop_dedup`` only for models of two or more
-layers, cache placement, budget and policy only where features can live on the host apart from a
-CUDA device, CUDA graphs only on CUDA. The batch size changes what the model learns, so it is
+layers, cache placement, budget, reads (zero-copy or staged) and the staged policy only where
+features can live on the host apart from a CUDA device, CUDA graphs only on CUDA. The batch size changes what the model learns, so it is
 searched only over sizes the user allows; by default the user's own size is kept.
 
 The generated kernels' thread mapping is searched per fused op, where those kernels run: the
@@ -154,8 +154,12 @@ _CANDIDATES: Tuple[_Candidate, ...] = (
     _Candidate("cache.budget_fraction", lambda ctx: ctx.cuda and ctx.cached,
                _fixed(0.0, 0.05, 0.1, 0.25, 0.5, 1.0), when=_host_placement,
                why="device memory given to the cross-batch cache against host-to-device copies"),
+    _Candidate("cache.host_reads", lambda ctx: ctx.cuda and ctx.cached, _fixed("zero_copy", "staged"),
+               when=_host_cache, why="misses read by the GPU from pinned host memory (a static hot set), "
+                                     "or gathered on the host and copied"),
     _Candidate("cache.policy", lambda ctx: ctx.cuda and ctx.cached, _fixed("static", "lru", "future"),
-               when=_host_cache, why="which rows the cache keeps"),
+               when=lambda values: _host_cache(values) and values.get("cache.host_reads") == "staged",
+               why="which rows the staged cache keeps"),
     _Candidate("passes.cuda_graphs", lambda ctx: ctx.cuda and ctx.optimized, _fixed("auto", "off"),
                why="replaying the optimized forward/backward against capture time and memory"),
     _Candidate("pipeline.step_graphs", lambda ctx: ctx.cuda,

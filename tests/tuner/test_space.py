@@ -86,12 +86,16 @@ def test_knobs_under_other_knobs_are_suggested_only_when_they_matter(small_graph
     base.update({k.name: k.choices[0] for k in space.knobs if k.name.startswith("kernels.")})
     on_device = space.suggest(optuna.trial.FixedTrial(base))
     assert "cache.budget_fraction" not in on_device and "cache.policy" not in on_device
-    host = space.suggest(optuna.trial.FixedTrial({**base, "cache.placement": "host",
-                                                  "cache.budget_fraction": 0.25, "cache.policy": "lru"}))
+    host = space.suggest(optuna.trial.FixedTrial({**base, "cache.placement": "host", "cache.budget_fraction": 0.25,
+                                                  "cache.host_reads": "staged", "cache.policy": "lru"}))
     assert host["cache.budget_fraction"] == 0.25 and host["cache.policy"] == "lru"
+    # zero-copy reads keep a static hot set: no policy to choose
+    zero_copy = space.suggest(optuna.trial.FixedTrial({**base, "cache.placement": "host", "cache.budget_fraction": 0.25,
+                                                       "cache.host_reads": "zero_copy"}))
+    assert zero_copy["cache.host_reads"] == "zero_copy" and "cache.policy" not in zero_copy
     no_cache = space.suggest(optuna.trial.FixedTrial({**base, "cache.placement": "host",
                                                       "cache.budget_fraction": 0.0}))
-    assert "cache.policy" not in no_cache
+    assert "cache.policy" not in no_cache and "cache.host_reads" not in no_cache
     shallow = space.suggest(optuna.trial.FixedTrial({**base, "pipeline.prefetch_depth": 1}))
     assert "pipeline.stage_threads" not in shallow
 
