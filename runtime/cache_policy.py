@@ -62,6 +62,8 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 # (`python bench/cache_directory.py`: 5-8 ms per lookup of 60 k random ids on one core); at 5 M
 # slots the ranking takes 7-11 ms against 66-164 ms.
 _SCAN_SLOTS = 1 << 19
+# Entries RankedSlots may hold beyond twice its slots before it rebuilds its buckets.
+_STALE_SLACK = 4096
 
 
 @dataclass
@@ -213,7 +215,8 @@ class RankedSlots:
     Each slot is filed under its key: a max-heap of the keys in use, each with the slots filed
     under it (one array per filing, stamped with the filing's number). A slot filed again goes
     stale in its older entry, which its stamp tells; a stale entry is dropped when its key's
-    bucket is read, and when stale entries outnumber the slots the buckets are rebuilt. :meth:`largest` reads the top buckets only, so a
+    bucket is read, and when the entries outnumber twice the slots (plus ``_STALE_SLACK``) the
+    buckets are rebuilt from the live slots. :meth:`largest` reads the top buckets only, so a
     lookup costs in proportion to the rows it changes, not to the cache's capacity
     (``bench/cache_directory.py``).
     """
@@ -255,7 +258,7 @@ class RankedSlots:
         self.key[slots] = keys
         self.live[slots] = True
         self._file(slots)
-        if self._entries > 2 * self.key.size + 4096:
+        if self._entries > 2 * self.key.size + _STALE_SLACK:
             self._rebuild_from(np.flatnonzero(self.live))
 
     def reset(self, keys: np.ndarray) -> None:

@@ -594,6 +594,16 @@ def test_zero_copy_reads_serve_the_table_and_refresh_the_hot_set_per_split(budge
         assert c.hits == 0 and c.preloaded == 0
 
 
+def test_zero_copy_reads_of_a_1d_table_return_a_vector():
+    from fastopt.codegen import cached_rows
+
+    table = torch.arange(10.0)
+    cache = SlimCache({"t": table}, config=CacheConfig(host_reads="zero_copy", budget_fraction=0.5),
+                      read_rows=cached_rows)
+    ids = torch.tensor([3, 1, 7])
+    assert torch.equal(cache.serve("t", ids, unique=Unique.of(ids)), table[ids])
+
+
 def test_zero_copy_reads_refuse_what_they_cannot_serve(tmp_path):
     from fastopt.codegen import cached_rows
 
@@ -612,12 +622,16 @@ def test_zero_copy_reads_refuse_what_they_cannot_serve(tmp_path):
         staged.serve("edge", torch.zeros(1, dtype=torch.long), unique=Unique.of(torch.zeros(1, dtype=torch.long)))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.integers(1, 64), st.integers(0, 2**31 - 1))
-def test_ranked_slots_find_the_largest_keys_as_a_full_ranking_does(capacity, seed):
+def test_ranked_slots_find_the_largest_keys_as_a_full_ranking_does(monkeypatch, capacity, seed):
     """Random filings, refilings and drops: the n largest keys found are the n largest of the
-    live slots, each slot once, with its current key; the stale entries stay bounded."""
+    live slots, each slot once, with its current key; the entries stay within twice the slots
+    (no slack here, so the buckets are rebuilt from the live slots again and again)."""
+    from fastopt.runtime import cache_policy
     from fastopt.runtime.cache_policy import RankedSlots
+
+    monkeypatch.setattr(cache_policy, "_STALE_SLACK", 0)
 
     rng = np.random.default_rng(seed)
     ranked, keys, live = RankedSlots(capacity), np.zeros(capacity, dtype=np.int64), np.zeros(capacity, bool)
@@ -637,4 +651,4 @@ def test_ranked_slots_find_the_largest_keys_as_a_full_ranking_does(capacity, see
             want = np.sort(keys[live])[::-1][:n]
             assert np.unique(got).size == got.size and live[got].all()
             assert np.array_equal(got_keys, keys[got]) and np.array_equal(np.sort(got_keys)[::-1], want)
-        assert ranked._entries <= 2 * capacity + 4096
+        assert ranked._entries <= 2 * capacity
