@@ -196,8 +196,9 @@ def served_rows_wrong(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor
 def replay_zero_copy(epoch: EpochStream, tables: Dict[str, torch.Tensor], fraction: float,
                      device: str) -> dict:
     """The static features read zero-copy (``cache.host_reads``): a warm-up epoch counts the
-    rows used, the timed one runs on the hot set it installs (as each epoch after a split's first
-    does in training); the served rows are checked against the table after timing."""
+    rows used, the timed one runs on the hot set installed from them before timing (as each epoch
+    after a split's first does in training); the served rows are checked against the table after
+    timing."""
     from fastopt.codegen import cached_rows
 
     edge = tables["edge_feat"]
@@ -209,8 +210,10 @@ def replay_zero_copy(epoch: EpochStream, tables: Dict[str, torch.Tensor], fracti
     if device.startswith("cuda"):
         ids = [i.pin_memory() for i in ids]
 
-    def one_epoch(keep: bool) -> list:
+    def begin() -> None:  # a new epoch: the hot set of the one before is installed
         cache.plan([{"edge_feat": b["edge_feat"].values} for b in epoch.batches[:4]], split="train")
+
+    def one_epoch(keep: bool) -> list:
         served = []
         for batch, i in zip(epoch.batches, ids):
             rows = cache.serve("edge_feat", i.to(device, non_blocking=True), unique=batch["edge_feat"])
@@ -218,7 +221,9 @@ def replay_zero_copy(epoch: EpochStream, tables: Dict[str, torch.Tensor], fracti
                 served.append(rows)
         return served
 
+    begin()
     one_epoch(False)
+    begin()
     before = cache.counters("edge_feat").to_dict()
     _sync(device)
     start = time.perf_counter()
@@ -229,7 +234,7 @@ def replay_zero_copy(epoch: EpochStream, tables: Dict[str, torch.Tensor], fracti
     counters = {k: (after[k] - before[k] if k not in ("row_bytes", "hit_rate") else after[k]) for k in after}
     counters["hit_rate"] = counters["hits"] / max(1, counters["lookups"])
     wrong = sum(served_rows_wrong(edge, b["edge_feat"].values, rows)
-                for b, rows in zip(epoch.batches, one_epoch(True)))
+                for b, rows in zip(epoch.batches, (begin(), one_epoch(True))[1]))
     return {"seconds": seconds, "rows_wrong": wrong,
             "tables": {"edge_feat": dict(counters, capacity=cache.capacity("edge_feat"), policy="zero_copy")}}
 
