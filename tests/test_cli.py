@@ -54,13 +54,13 @@ def test_data_info_and_synth(tmp_path, capsys):
 def test_bench_end_to_end_writes_json(tiny_file, tmp_path, capsys):
     out_json = tmp_path / "bench.json"
     rc = main(["bench", "--dataset", str(tiny_file), "--model", "tgn", "--epochs", "2",
-               "--batch-size", "400", "--device", "cpu", "--contenders", "tgl,eager,fastopt",
+               "--batch-size", "400", "--device", "cpu", "--contenders", "tgl,eager,fastopt,fastopt-host",
                "--json", str(out_json), "--no-progress"])
     assert rc == 0
     out = capsys.readouterr().out
     record = json.loads(out_json.read_text())
     names = [r["contender"] for r in record["results"]]
-    assert names == ["tgl", "eager", "fastopt"]
+    assert names == ["tgl", "eager", "fastopt", "fastopt-host"]
     for r in record["results"]:
         assert len(r["epoch_seconds"]) == 2 and r["steady_epoch_s"] > 0 and 0 <= r["test_ap"] <= 1
         assert r["verified"]
@@ -72,6 +72,9 @@ def test_bench_end_to_end_writes_json(tiny_file, tmp_path, capsys):
     # one seed, one initialization, one data path: TGL's path and the device path train identically
     tgl, eager = record["results"][0], record["results"][1]
     assert tgl["test_ap"] == eager["test_ap"] and tgl["val_ap"] == eager["val_ap"]
+    # fastopt with its features in host memory reads the same rows: the same training
+    fast, host = record["results"][2], record["results"][3]
+    assert host["test_ap"] == fast["test_ap"] and host["val_ap"] == fast["val_ap"]
     assert record["command"] and record["git_commit"] and record["model"] == "tgn"
     assert "contender" in out and "fastopt" in out
 
@@ -229,3 +232,20 @@ def test_data_info_formats_numbers_one_way(capsys):
     lines = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
     assert lines["events"] == "157,474" and lines["time_span"] == "2,678,373"
     assert lines["degree_max"] == "1,937" and lines["degree_p99"] == "358.2"
+
+
+def test_bench_contenders_differ_only_where_they_say():
+    """fastopt-host is fastopt with the features in host memory; tgl is eager gathering on the
+    host per slot; eager keeps its tables on the device."""
+    from fastopt.benchmark import _contender_config
+    from fastopt.config import Config
+
+    base = Config()
+    fast, host = _contender_config(base, "fastopt"), _contender_config(base, "fastopt-host")
+    assert host.cache.placement == "host" and host.train.optimize == fast.train.optimize == "on"
+    host.cache.placement = fast.cache.placement
+    assert host.to_dict() == fast.to_dict()
+    tgl = _contender_config(base, "tgl")
+    assert (tgl.cache.placement, tgl.sampler.dedup, tgl.cache.budget_fraction, tgl.train.optimize) == \
+        ("host", False, 0.0, "off")
+    assert _contender_config(base, "eager").cache.placement == "device"
