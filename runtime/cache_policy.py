@@ -22,6 +22,7 @@ Layering: imports nothing of fastopt but :mod:`fastopt.errors`.
 
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -54,10 +55,15 @@ POLICIES = ("static", "lru", "future", "auto")
 NEVER = 1 << 40
 # Batches per epoch that the recency tie-break of FuturePolicy tells apart (keys stay < 2**62).
 _STRIDE = 1 << 21
-# Sort key of a free slot: larger than any policy key, so free slots are filled first.
-_FREE = torch.iinfo(torch.int64).max
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+# Caches of up to this many slots find their eviction candidates by ranking every resident; larger
+# ones keep the residents ranked as they change (RankedSlots). The two break even near 500 k slots
+# (`python bench/cache_directory.py`: 5-8 ms per lookup of 60 k random ids on one core); at 5 M
+# slots the ranking takes 7-11 ms against 66-164 ms.
+_SCAN_SLOTS = 1 << 19
+# Entries RankedSlots may hold beyond twice its slots before it rebuilds its buckets.
+_STALE_SLACK = 4096
 
 
 @dataclass
@@ -203,6 +209,93 @@ class NextUseIndex:
         return self._next[self._offsets[t]:self._offsets[t + 1]].clone()
 
 
+class RankedSlots:
+    """The residents' sort keys, kept so that the largest are found without ranking every slot.
+
+    Each slot is filed under its key: a max-heap of the keys in use, each with the slots filed
+    under it (one array per filing, stamped with the filing's number). A slot filed again goes
+    stale in its older entry, which its stamp tells; a stale entry is dropped when its key's
+    bucket is read, and when the entries outnumber twice the slots (plus ``_STALE_SLACK``) the
+    buckets are rebuilt from the live slots. :meth:`largest` reads the top buckets only, so a
+    lookup costs in proportion to the rows it changes, not to the cache's capacity
+    (``bench/cache_directory.py``).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.key = np.zeros(capacity, dtype=np.int64)
+        self.live = np.zeros(capacity, dtype=bool)
+        self.stamp = np.zeros(capacity, dtype=np.int64)  # the filing that holds each slot's entry
+        self._filings = 0
+        self._rebuild_from(np.empty(0, dtype=np.int64))
+
+    def _rebuild_from(self, slots: np.ndarray) -> None:
+        self._buckets: Dict[int, List[Tuple[np.ndarray, int]]] = {}
+        self._heap: List[int] = []  # negated keys that have a bucket
+        self._entries = 0
+        self._file(slots)
+
+    def _file(self, slots: np.ndarray) -> None:
+        if slots.size == 0:
+            return
+        self._filings += 1
+        stamp = self._filings
+        self.stamp[slots] = stamp
+        keys = self.key[slots]
+        order = np.argsort(keys, kind="stable")
+        keys, slots = keys[order], slots[order]
+        cuts = np.flatnonzero(keys[1:] != keys[:-1]) + 1
+        for k, part in zip(keys[np.concatenate(([0], cuts))].tolist(), np.split(slots, cuts)):
+            bucket = self._buckets.get(k)
+            if bucket is None:
+                self._buckets[k] = [(part, stamp)]
+                heapq.heappush(self._heap, -k)
+            else:
+                bucket.append((part, stamp))
+        self._entries += slots.size
+
+    def set(self, slots: np.ndarray, keys: np.ndarray) -> None:
+        """Make ``slots`` (distinct) resident with ``keys``."""
+        self.key[slots] = keys
+        self.live[slots] = True
+        self._file(slots)
+        if self._entries > 2 * self.key.size + _STALE_SLACK:
+            self._rebuild_from(np.flatnonzero(self.live))
+
+    def reset(self, keys: np.ndarray) -> None:
+        """Every resident's key at once (``keys`` per slot; free slots ignored)."""
+        self.key[:] = keys
+        self._rebuild_from(np.flatnonzero(self.live))
+
+    def drop(self, slots: np.ndarray) -> None:
+        self.live[slots] = False
+
+    def largest(self, n: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Up to ``n`` resident slots with the largest keys, and their keys (descending)."""
+        out_slots: List[np.ndarray] = []
+        out_keys: List[np.ndarray] = []
+        seen: List[int] = []
+        while n > 0 and self._heap:
+            k = -heapq.heappop(self._heap)
+            parts = self._buckets.pop(k)
+            slots = np.concatenate([p[self.live[p] & (self.key[p] == k) & (self.stamp[p] == f)] for p, f in parts])
+            self._entries -= sum(p.size for p, _ in parts) - slots.size
+            if slots.size == 0:
+                continue
+            self._filings += 1  # the bucket, compacted, is one filing
+            self.stamp[slots] = self._filings
+            self._buckets[k] = [(slots, self._filings)]
+            seen.append(k)
+            take = slots[:n]
+            out_slots.append(take)
+            out_keys.append(np.full(take.size, k, dtype=np.int64))
+            n -= take.size
+        for k in seen:
+            heapq.heappush(self._heap, -k)
+        if not out_slots:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        return np.concatenate(out_slots), np.concatenate(out_keys)
+
+
 class SlotDirectory:
     """Host-side map between row ids and cache slots, with each slot's replacement state.
 
@@ -223,6 +316,14 @@ class SlotDirectory:
         # Slots are filled in order and a freed slot is refilled at once, so [filled, capacity)
         # are exactly the free slots.
         self.filled = 0
+        # the residents' keys, ranked as they change (policies that admit and so evict)
+        self.ranked = RankedSlots(capacity) if policy.admits and capacity > _SCAN_SLOTS else None
+
+    def _rank(self, slots: torch.Tensor) -> None:
+        """File ``slots`` (distinct, resident) under their current keys."""
+        if self.ranked is not None and slots.numel():
+            keys = self.policy.keys(self.next_use.index_select(0, slots), self.last_use.index_select(0, slots))
+            self.ranked.set(slots.numpy(), keys.numpy())
 
     @property
     def resident(self) -> int:
@@ -238,16 +339,21 @@ class SlotDirectory:
         self.slot_of.index_copy_(0, ids, free.to(torch.int32))
         self.id_of.index_copy_(0, free, ids)
         self.dirty.index_fill_(0, free, False)
+        self._rank(free)
         return free
 
     def refresh(self, ids: torch.Tensor, next_use: int) -> None:
         """Set the next use of those of ``ids`` that are resident (a newly announced batch)."""
         slots = self.slot_of.index_select(0, ids).long()
-        self.next_use.index_fill_(0, slots[slots >= 0], next_use)
+        slots = slots[slots >= 0]
+        self.next_use.index_fill_(0, slots, next_use)
+        self._rank(slots)
 
     def forget_future(self) -> None:
         """Mark every resident's next use unknown (a new epoch's batches are not announced yet)."""
         self.next_use.fill_(NEVER)
+        if self.ranked is not None:
+            self.ranked.reset(self.policy.keys(self.next_use, self.last_use).numpy())
 
     def access(self, values: torch.Tensor, announced: bool = True) -> AccessPlan:
         """Look up one batch's sorted unique ids and decide admissions and evictions.
@@ -270,6 +376,7 @@ class SlotDirectory:
         else:
             self.next_use.index_copy_(0, hit_slots, next_use.index_select(0, hit_pos))
         self.last_use.index_fill_(0, hit_slots, t)
+        self._rank(hit_slots)
         plan = AccessPlan(hit_pos, hit_slots, miss_pos, _EMPTY, _EMPTY, _EMPTY, _EMPTY,
                           torch.empty(0, dtype=torch.bool))
         m = miss_pos.numel()
@@ -282,23 +389,34 @@ class SlotDirectory:
             freed = torch.arange(self.filled, self.filled + m)
             self.filled += m
             return self._admit(plan, values, t, admit_sel, freed, miss_next)
-        miss_keys = self.policy.keys(miss_next, torch.full_like(miss_next, t))
-        # Drop the m largest keys among residents and misses; doubling the keys and adding 1 to
-        # the misses' makes residents win ties, so an equal miss never displaces a resident.
-        res_keys = self.policy.keys(self.next_use, self.last_use) * 2
-        res_keys.masked_fill_(self.id_of < 0, _FREE)
-        drop = torch.topk(torch.cat([res_keys, miss_keys * 2 + 1]), m, sorted=False).indices
-        # Sorted, the dropped residents' slots lead and the dropped misses follow.
-        drop, _ = torch.sort(drop)
-        k = int(np.searchsorted(drop.numpy(), self.capacity))
-        if k == 0:
+        # The free slots are taken first; then the r largest keys among residents and misses are
+        # dropped, the residents' candidates being only their r largest. Doubling the keys and
+        # adding 1 to the misses' makes residents win ties: an equal miss never displaces one.
+        free = np.arange(self.filled, self.capacity)
+        r = m - free.size
+        res_slots, res_keys = self._largest(r)
+        miss_keys = self.policy.keys(miss_next, torch.full_like(miss_next, t)).numpy()
+        keys = np.concatenate([res_keys * 2, miss_keys * 2 + 1])
+        drop = np.argpartition(-keys, r - 1)[:r] if r < keys.size else np.arange(keys.size)
+        freed = np.sort(np.concatenate([free, res_slots[drop[drop < res_slots.size]]]))
+        if freed.size == 0:
             return plan
-        freed = drop[:k]
-        kept = torch.ones(m, dtype=torch.bool)
-        kept.index_fill_(0, drop[k:] - self.capacity, False)
-        admit_sel = torch.nonzero(kept).flatten()
-        self.filled = max(self.filled, int(freed[-1]) + 1)
-        return self._admit(plan, values, t, admit_sel, freed, miss_next)
+        kept = np.ones(m, dtype=bool)
+        kept[drop[drop >= res_slots.size] - res_slots.size] = False
+        self.filled = self.capacity
+        return self._admit(plan, values, t, torch.from_numpy(np.flatnonzero(kept)), torch.from_numpy(freed),
+                           miss_next)
+
+    def _largest(self, n: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Up to ``n`` resident slots with the largest keys, and their keys: from the ranking, or,
+        in a cache of at most ``_SCAN_SLOTS`` slots, by ranking every resident (cheaper there)."""
+        if self.ranked is not None:
+            return self.ranked.largest(n)
+        keys = self.policy.keys(self.next_use[:self.filled], self.last_use[:self.filled]).numpy()
+        if n >= keys.size:
+            return np.arange(keys.size), keys
+        top = np.argpartition(-keys, n - 1)[:n]
+        return top, keys[top]
 
     def _admit(self, plan: AccessPlan, values: torch.Tensor, t: int, admit_sel: torch.Tensor,
                freed: torch.Tensor, miss_next: torch.Tensor) -> AccessPlan:
@@ -316,6 +434,7 @@ class SlotDirectory:
         self.next_use.index_copy_(0, freed, miss_next.index_select(0, admit_sel))
         self.last_use.index_fill_(0, freed, t)
         self.dirty.index_fill_(0, freed, False)
+        self._rank(freed)
         plan.admit_sel, plan.admit_slots, plan.admit_ids = admit_sel, freed, admit_ids
         return plan
 

@@ -73,8 +73,7 @@ class _CachePlanner:
                 batch.announced = True
             self.sampled += 1
         if not self.planned:
-            # a new epoch of the future policy; zero-copy reads install the split's hot set
-            self.loader.cache.plan(fresh, split=next((b.split for b in self.plan if b is not None), ""))
+            self.loader.cache.plan(fresh)  # a new epoch of the future policy
             self.planned = True
         else:
             for ids in fresh:
@@ -94,10 +93,12 @@ class EpochStream:
     lengths reserved as it is sampled (:meth:`~fastopt.runtime.Loader.reserve`), so the
     batches, their shapes included, are the same for any number of threads and any timing.
 
-    With SlimCache one thread stages the batches in order, at most two of them ahead of the
-    consumer (the cache's limit of staged lookups), and batches are sampled
+    With SlimCache's staged lookups one thread stages the batches in order, at most two of them
+    ahead of the consumer (the cache's limit of staged lookups), and batches are sampled
     ``pipeline.prefetch_depth`` further ahead than they are staged, their cached ids announced to
     the cache's ``future`` policy (:class:`_CachePlanner`; 0 without ``pipeline.async_sampling``).
+    Zero-copy reads (``Loader.zero_copy``) need none of that: the batches are staged as with
+    device tables, and the epoch starts by installing ``split``'s hot set.
 
     Use as ``with loader.epoch(...) as batches: for batch in batches: ...``; leaving the block
     stops and joins the producer (and finishes the cache lookups of batches staged but never
@@ -105,7 +106,8 @@ class EpochStream:
     batch usable on the compute stream is ``gather``.
     """
 
-    def __init__(self, loader: Loader, batches: Iterator[EventBatch], timer: StageTimer) -> None:
+    def __init__(self, loader: Loader, batches: Iterator[EventBatch], timer: StageTimer,
+                 split: str = "") -> None:
         self.loader, self.timer = loader, timer
         self._batches = batches
         pipe = loader.config.pipeline
@@ -114,7 +116,10 @@ class EpochStream:
         self._lookahead = 0
         self._room: Optional[threading.Semaphore] = None
         self._planner: Optional[_CachePlanner] = None
-        if loader.cache is not None:
+        self._staged_cache = loader.cache is not None and not loader.zero_copy
+        if loader.zero_copy:
+            loader.cache.begin_epoch(split)
+        if self._staged_cache:
             self._lookahead = depth  # batches sampled and announced beyond the one staged
             depth = min(depth, 1)  # SlimCache keeps at most two staged lookups per table
             workers = 1  # and its lookups go in batch order
@@ -219,7 +224,7 @@ class EpochStream:
     def __iter__(self) -> Iterator[EventBatch]:
         if self.depth == 0:
             planner = None
-            if self.loader.cache is not None:
+            if self._staged_cache:
                 plan = list(self._batches)
                 planner = _CachePlanner(self.loader, plan, self._lookahead)
                 self._batches = iter(plan)  # taken by the planner, in order

@@ -228,7 +228,7 @@ class Loader:
     def epoch(self, split: str, epoch: int, mrr_negatives: int = 0,
               timer: Optional[StageTimer] = None) -> "EpochStream":
         """The staged batches of one pass over ``split`` (a context manager and an iterator)."""
-        return EpochStream(self, self.plan(split, epoch, mrr_negatives), timer or StageTimer(self.device))
+        return EpochStream(self, self.plan(split, epoch, mrr_negatives), timer or StageTimer(self.device), split)
 
     def inputs_for(self, roots: np.ndarray, times: np.ndarray) -> GraphInputs:
         """The model's inputs for arbitrary ``roots`` at ``times``, built synchronously (rows
@@ -407,14 +407,19 @@ class Loader:
                              zip(torch.split(dev, [t.numel() for t in tensors]), tensors)]
                 self.bytes_h2d += sum(t.numel() * t.element_size() for t in tensors)
                 staged.tensors.update(zip(group.keys(), moved))
-            if self.placement == "device":
-                self._gather_device(staged)
-            elif "edge_unique" in staged.tensors:  # zero-copy: an ad-hoc batch (index -1) counts nothing
-                staged.tensors["edge_rows"] = self.cache.serve(
-                    "edge", staged.tensors["edge_unique"], unique=staged.batch.sampled.unique_eids,
-                    counted=staged.batch.index >= 0)
+            self._read_rows(staged)
             staged.event = torch.cuda.Event()
             staged.event.record(self._copy_stream)
+
+    def _read_rows(self, staged: _Staged) -> None:
+        """Rows the device reads itself (on the stream this is called on): from device tables, or
+        through SlimCache's zero-copy reads (an ad-hoc batch, index -1, counts nothing there)."""
+        if self.placement == "device":
+            self._gather_device(staged)
+        elif "edge_unique" in staged.tensors:
+            staged.tensors["edge_rows"] = self.cache.serve(
+                "edge", staged.tensors["edge_unique"], unique=staged.batch.sampled.unique_eids,
+                counted=staged.batch.index >= 0)
 
     def _gather_device(self, staged: _Staged) -> None:
         """Per-slot feature rows from device tables (on the stream this is called on)."""
@@ -437,8 +442,8 @@ class Loader:
             for value in t.values():
                 for tensor in value if isinstance(value, list) else [value]:
                     tensor.record_stream(current)
-        if self.placement == "device" and not self.cuda:
-            self._gather_device(staged)
+        if not self.cuda:
+            self._read_rows(staged)
         layers = staged.layers
         nodes = _sets(t, layers)
         times = [t["times"]] + [t[f"stime{i + 1}"] for i in range(layers)]

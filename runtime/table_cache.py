@@ -173,7 +173,8 @@ class TableCache:
         else:
             # The cache owns its host copy: writes land there, and a GPU needs it pinned.
             # (a pinned table of the right dtype is only ever read: it is shared, not copied)
-            if spec.writable or host.dtype != self.dtype or (device.type == "cuda" and not host.is_pinned()):
+            if spec.writable or host.dtype != self.dtype or (
+                    device.type == "cuda" and not (host.is_pinned() and host.is_contiguous())):
                 host = host.to(self.dtype, copy=True)
             if device.type == "cuda":
                 host = host.pin_memory()
@@ -362,9 +363,12 @@ class TableCache:
             c.bytes_h2d += (n - hits) * self.row_bytes
             if self.seen is not None:
                 self.seen.numpy()[ids_np] += 1  # a batch's ids are distinct
+            if self.recorded is not None:
+                self.recorded.append(values)
         slots = self.slots if self.slots.shape[0] else torch.zeros((1,) + self.row_shape, dtype=self.dtype,
                                                                      device=self.device)
-        return self.read_rows(ids, self.slot_map, slots, self.host)
+        rows = self.read_rows(ids, self.slot_map, slots, self.host)
+        return rows.reshape(-1) if self.is_1d else rows
 
     def begin_split(self, split: str, stream: Optional["torch.cuda.Stream"]) -> None:
         """Start an epoch of ``split``: keep the uses counted in the epoch before, and make the
@@ -397,12 +401,17 @@ class TableCache:
         d.slot_of.index_fill_(0, evicted, -1)
         d.slot_of.index_copy_(0, incoming, slots.to(torch.int32))
         d.id_of.index_copy_(0, slots, incoming)
+        current = torch.cuda.current_stream(self.device) if stream is not None else None
+        if stream is not None:  # after the reads queued on the current stream, before those after
+            stream.wait_stream(current)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             dev_slots, dev_in, dev_out = (t.to(self.device, non_blocking=False) for t in (slots, incoming, evicted))
             self.slot_map.index_fill_(0, dev_out, -1)
             rows = self.read_rows(dev_in, self.slot_map, self.slots, self.host)  # not mapped yet: host rows
             self.slots.index_copy_(0, dev_slots, rows)
             self.slot_map.index_copy_(0, dev_in, dev_slots.to(torch.int32))
+        if stream is not None:
+            current.wait_stream(stream)
         c = self.counters
         c.preloaded += incoming.numel()
         c.rows_h2d += incoming.numel()

@@ -46,6 +46,14 @@ def _check(ids: Tensor, slot_map: Tensor, slots: Tensor, table: Tensor, out: Opt
     if slots.dtype != table.dtype or tuple(slots.shape[1:]) != tuple(table.shape[1:]):
         raise KernelError(f"cache slots {tuple(slots.shape)} {slots.dtype} do not match table rows "
                           f"{tuple(table.shape[1:])} {table.dtype}; allocate slots like the table's rows")
+    for name, t in (("table", table), ("slots", slots), ("out", out)):
+        if t is not None and not t.is_contiguous():
+            raise KernelError(f"cached_rows reads and writes whole rows in row-major order, but {name} "
+                              f"{tuple(t.shape)} has strides {t.stride()}; pass {name}.contiguous()")
+    for name, t in (("slot_map", slot_map), ("slots", slots)):
+        if t.device != ids.device:
+            raise KernelError(f"{name} is on {t.device} but the ids are on {ids.device}; the cache's "
+                              f"slot map and slots live where the ids are read")
     if out is not None and (out.dtype != table.dtype or tuple(out.shape) != (ids.numel(),) + tuple(table.shape[1:])):
         raise KernelError(f"out must be {(ids.numel(),) + tuple(table.shape[1:])} {table.dtype}; got "
                           f"{tuple(out.shape)} {out.dtype}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -425,3 +426,26 @@ def test_slimcache_loader_bench_passes_and_fails_on_wrong_rows(monkeypatch, tmp_
     monkeypatch.setattr(table_cache.TableCache, "finish", wrong)
     assert script.main(argv) == 1
     assert "WRONG RESULT: tgn lru depth 2" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- bench/cache_directory.py
+def test_cache_directory_bench_passes_and_fails_when_the_ranking_is_wrong(monkeypatch, tmp_path, capsys):
+    """Both ways of finding eviction candidates agree on a small cache; a ranking that hands out
+    the wrong residents (the smallest keys instead of the largest) fails the run."""
+    from fastopt.runtime.cache_policy import RankedSlots
+
+    script = load("cache_directory")
+    args = ["--sizes", "3000:500", "--policies", "future", "lru", "--json", str(tmp_path / "d.json")]
+    assert script.main(args) == 0
+    record = json.loads((tmp_path / "d.json").read_text())
+    assert len(record["results"]) == 4 and record["wrong"] == []
+    real = RankedSlots.largest
+
+    def smallest(self, n):
+        slots, keys = real(self, self.key.size)
+        order = np.argsort(keys, kind="stable")[:n]
+        return slots[order], keys[order]
+
+    monkeypatch.setattr(RankedSlots, "largest", smallest)
+    assert script.main(args) == 1
+    assert "WRONG RESULT: future 3000 slots" in capsys.readouterr().out

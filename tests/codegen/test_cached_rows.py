@@ -70,3 +70,8 @@ def test_cached_rows_name_what_does_not_fit():
         cg.cached_rows(torch.zeros(2, dtype=torch.long), slot_map[:3], slots, table)
     with pytest.raises(KernelError, match="do not match table rows"):
         cg.cached_rows(torch.zeros(2, dtype=torch.long), slot_map, slots.double(), table)
+    wide = torch.zeros(5, 6)
+    with pytest.raises(KernelError, match=r"table \(5, 3\) has strides \(6, 1\).*contiguous"):
+        cg.cached_rows(torch.zeros(2, dtype=torch.long), slot_map, slots, wide[:, :3])
+    with pytest.raises(KernelError, match="out .* has strides"):
+        cg.cached_rows(torch.zeros(2, dtype=torch.long), slot_map, slots, table, torch.zeros(3, 2).t())

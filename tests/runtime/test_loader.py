@@ -551,6 +551,44 @@ def test_cached_loader_serves_the_uncached_rows_bitwise(small_graph, policy, dep
     assert c.hits <= c.lookups - loader.cache.optimum("edge").misses  # never above Belady
 
 
+@pytest.mark.parametrize("edge_rows", [True, False])
+def test_zero_copy_loader_serves_the_uncached_rows_with_several_staging_threads(small_graph, edge_rows):
+    """Zero-copy reads (here on the CPU, the cache attached by hand) give every valid slot the
+    uncached path's features for two epochs of each split; the batches are staged by several
+    threads, as with device tables, and each split's second epoch starts from its hot set."""
+    from fastopt.codegen import cached_rows
+    from fastopt.runtime import CacheTable, SlimCache
+
+    def epochs(loader):
+        out = []
+        for epoch, split in enumerate(["train", "val", "train", "val"]):
+            loader.sampler.reset(epoch)
+            with loader.epoch(split, epoch) as batches:
+                assert batches.workers == 2
+                for b in batches:
+                    x = b.inputs
+                    feats = ([x.layer_edges(i)[0][x.layer_edges(i)[1]] for i in range(2)] if edge_rows
+                             else x.edge_feat)
+                    out.append([f[m] for f, m in zip(feats, x.mask, strict=True)])
+        return out
+
+    cfg = config(cache__placement="host", cache__host_reads="zero_copy", cache__budget_fraction=0.2,
+                 pipeline__stage_threads=2)
+    plain = Loader(small_graph, NumpySampler(small_graph, [3, 2], "uniform", seed=5), torch.device("cpu"),
+                   config(cache__placement="host", pipeline__stage_threads=2), edge_rows=edge_rows)
+    want = epochs(plain)
+    loader = Loader(small_graph, NumpySampler(small_graph, [3, 2], "uniform", seed=5), torch.device("cpu"),
+                    cfg, edge_rows=edge_rows)
+    loader.cache = SlimCache({"edge": CacheTable(loader.edge_table)}, "cpu", cfg.cache, read_rows=cached_rows)
+    loader.zero_copy = True
+    got = epochs(loader)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert all(torch.equal(x, y) for x, y in zip(g, w, strict=True))
+    c = loader.cache.counters("edge")
+    assert c.batches == len(want) and 0 < c.hits < c.lookups and c.preloaded > 0
+
+
 @pytest.mark.parametrize("as_on_cuda", [False, True])
 def test_cached_loader_hands_edge_rows_models_the_unique_rows(small_graph, as_on_cuda):
     """A model that reads edge rows by index gets SlimCache's unique rows and each slot's index

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastopt.config import CacheConfig
@@ -24,6 +24,17 @@ POLICIES = ["static", "lru", "future", "auto"]
 BUDGETS = {"zero": 0.0, "tiny": 0.01, "partial": 0.2, "all": 1.0}
 
 EDGES, NODES, FEAT, MEM = 400, 60, 6, 5
+
+
+@pytest.fixture(params=["scan", "ranked"])
+def eviction(request, monkeypatch):
+    """Both ways the directory finds eviction candidates: ranking every resident (small caches)
+    and the incremental ranking (RankedSlots) that large caches keep."""
+    from fastopt.runtime import cache_policy
+
+    if request.param == "ranked":
+        monkeypatch.setattr(cache_policy, "_SCAN_SLOTS", -1)
+    return request.param
 
 
 def make_tables(seed: int = 0):
@@ -81,7 +92,7 @@ def check_counters(cache: SlimCache, name: str) -> None:
 
 @pytest.mark.parametrize("budget", list(BUDGETS))
 @pytest.mark.parametrize("policy", POLICIES)
-def test_rows_equal_direct_gather_and_counters_add_up(policy, budget):
+def test_rows_equal_direct_gather_and_counters_add_up(policy, budget, eviction):
     edge, mem = make_tables()
     stream = make_stream()
     cache = build(policy, BUDGETS[budget], edge, mem, stream)
@@ -144,7 +155,7 @@ def run_epoch_with_updates(cache: SlimCache, mem: torch.Tensor, stream, seed: in
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_write_back_equals_an_all_on_device_run_bit_for_bit(policy):
+def test_write_back_equals_an_all_on_device_run_bit_for_bit(policy, eviction):
     edge, mem = make_tables()
     stream = make_stream(batches=30, seed=3)
     cache = build(policy, 0.15, edge, mem, stream, split="proportional")
@@ -313,25 +324,25 @@ HANDMADE = [
 
 
 @pytest.mark.parametrize("stream,capacity", HANDMADE)
-def test_future_equals_the_offline_optimum_on_handmade_streams(stream, capacity):
+def test_future_equals_the_offline_optimum_on_handmade_streams(stream, capacity, eviction):
     optimum = brute_force_optimum(stream, capacity)
     assert belady_optimum(stream, capacity).misses == optimum
     assert future_misses(stream, capacity) == optimum
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True),
                 min_size=1, max_size=6),
        st.integers(0, 3))
-def test_future_equals_brute_force_on_random_small_streams(stream, capacity):
+def test_future_equals_brute_force_on_random_small_streams(eviction, stream, capacity):
     optimum = brute_force_optimum(stream, capacity)
     assert belady_optimum(stream, capacity, num_rows=8).misses == optimum
     assert future_misses(stream, capacity) == optimum
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.integers(1, 6), st.integers(0, 2**31 - 1))
-def test_future_with_a_short_lookahead_serves_correct_rows(window, seed):
+def test_future_with_a_short_lookahead_serves_correct_rows(eviction, window, seed):
     """Announcing only ``window`` batches ahead still serves exact rows, never beating the optimum."""
     edge, mem = make_tables(seed % 7)
     stream = make_stream(batches=12, seed=seed % 1000)
@@ -583,6 +594,16 @@ def test_zero_copy_reads_serve_the_table_and_refresh_the_hot_set_per_split(budge
         assert c.hits == 0 and c.preloaded == 0
 
 
+def test_zero_copy_reads_of_a_1d_table_return_a_vector():
+    from fastopt.codegen import cached_rows
+
+    table = torch.arange(10.0)
+    cache = SlimCache({"t": table}, config=CacheConfig(host_reads="zero_copy", budget_fraction=0.5),
+                      read_rows=cached_rows)
+    ids = torch.tensor([3, 1, 7])
+    assert torch.equal(cache.serve("t", ids, unique=Unique.of(ids)), table[ids])
+
+
 def test_zero_copy_reads_refuse_what_they_cannot_serve(tmp_path):
     from fastopt.codegen import cached_rows
 
@@ -599,3 +620,35 @@ def test_zero_copy_reads_refuse_what_they_cannot_serve(tmp_path):
     staged = SlimCache({"edge": edge})
     with pytest.raises(CacheError, match="not read zero-copy"):
         staged.serve("edge", torch.zeros(1, dtype=torch.long), unique=Unique.of(torch.zeros(1, dtype=torch.long)))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(1, 64), st.integers(0, 2**31 - 1))
+def test_ranked_slots_find_the_largest_keys_as_a_full_ranking_does(monkeypatch, capacity, seed):
+    """Random filings, refilings and drops: the n largest keys found are the n largest of the
+    live slots, each slot once, with its current key; the entries stay within twice the slots
+    (no slack here, so the buckets are rebuilt from the live slots again and again)."""
+    from fastopt.runtime import cache_policy
+    from fastopt.runtime.cache_policy import RankedSlots
+
+    monkeypatch.setattr(cache_policy, "_STALE_SLACK", 0)
+
+    rng = np.random.default_rng(seed)
+    ranked, keys, live = RankedSlots(capacity), np.zeros(capacity, dtype=np.int64), np.zeros(capacity, bool)
+    for _ in range(30):
+        op = rng.integers(3)
+        slots = rng.choice(capacity, rng.integers(1, capacity + 1), replace=False)
+        if op == 0:
+            new = rng.integers(-5, 5, slots.size)
+            ranked.set(slots, new)
+            keys[slots], live[slots] = new, True
+        elif op == 1:
+            ranked.drop(slots)
+            live[slots] = False
+        else:
+            n = int(rng.integers(1, capacity + 1))
+            got, got_keys = ranked.largest(n)
+            want = np.sort(keys[live])[::-1][:n]
+            assert np.unique(got).size == got.size and live[got].all()
+            assert np.array_equal(got_keys, keys[got]) and np.array_equal(np.sort(got_keys)[::-1], want)
+        assert ranked._entries <= 2 * capacity
