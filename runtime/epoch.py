@@ -73,7 +73,8 @@ class _CachePlanner:
                 batch.announced = True
             self.sampled += 1
         if not self.planned:
-            self.loader.cache.plan(fresh)  # a new epoch of the future policy
+            # a new epoch of the future policy; a static hot set installs the split's
+            self.loader.cache.plan(fresh, split=next((b.split for b in self.plan if b is not None), ""))
             self.planned = True
         else:
             for ids in fresh:

@@ -198,7 +198,7 @@ class SlimCache:
                     f"SlimCache.plan(stream) first or use policy 'lru'")
             table.allocate(capacity, policy)
             if policy == "static" and sample is not None:
-                table.preload(access_counts(sample[name], table.num_rows), self._transfer)
+                table.install(access_counts(sample[name], table.num_rows), self._transfer)
 
     def plan(self, stream: Iterable[Mapping[str, Ids]], split: str = "") -> None:
         """Tell the cache this epoch's batches ahead of time (ids per table, in batch order).
@@ -225,8 +225,8 @@ class SlimCache:
         with self._lock:
             self._seal(None)
             for table in self._tables.values():
-                if table.read_rows is not None:
-                    table.begin_split(split, self._transfer.stream)
+                if table.policy_name == "static":
+                    table.begin_split(split, self._transfer)
                 if table.index is not None:
                     if table.pending:
                         raise CacheError(f"table {table.name!r} has {len(table.pending)} staged "

@@ -40,6 +40,9 @@ from fastopt.runtime.blocks import Unique
 from fastopt.runtime.cache_policy import AccessPlan, SlotDirectory, make_policy
 from fastopt.runtime.staging import HostGatherer, StagingBuffers, TransferStream
 
+# Rows a hot-set install loads per staging buffer (a cache of millions of slots is filled in parts).
+_INSTALL_ROWS = 1 << 16
+
 __all__ = ["CacheTable", "UniqueRows", "PendingRows", "CacheCounters", "TableCache", "Ids",
            "check_table", "pack_index", "unpack_index", "admitted_first"]
 
@@ -255,6 +258,8 @@ class TableCache:
         """
         real = values[pad:]
         plan = self.directory.access(real, announced)
+        if self.seen is not None and announced:  # a static hot set's next one
+            self.seen.numpy()[real.numpy()] += 1
         if self.recorded is not None:
             self.recorded.append(real)
         c = self.counters
@@ -370,18 +375,20 @@ class TableCache:
         rows = self.read_rows(ids, self.slot_map, slots, self.host)
         return rows.reshape(-1) if self.is_1d else rows
 
-    def begin_split(self, split: str, stream: Optional["torch.cuda.Stream"]) -> None:
-        """Start an epoch of ``split``: keep the uses counted in the epoch before, and make the
-        hot set the rows ``split``'s last epoch used most (kept where it has none yet)."""
+    def begin_split(self, split: str, transfer: TransferStream) -> None:
+        """Start an epoch of ``split`` (a static hot set): keep the uses counted in the epoch
+        before, and make the hot set the rows ``split``'s last epoch used most (kept where it has
+        none yet)."""
         if self.seen is not None and int(self.seen.count_nonzero()):
             self.used[self.split] = self.seen
         self.split, self.seen = split, torch.zeros(self.num_rows, dtype=torch.int32)
         if split in self.used:
-            self._install(self.used[split], stream)
+            self.install(self.used[split], transfer)
 
-    def _install(self, uses: torch.Tensor, stream: Optional["torch.cuda.Stream"]) -> None:
-        """Give the ``capacity`` most used rows slots: the free ones, then those of residents
-        outside the new hot set; their rows are read from the host on ``stream``."""
+    def install(self, uses: torch.Tensor, transfer: TransferStream) -> None:
+        """Give the ``capacity`` most used rows slots (a static hot set): the free ones, then
+        those of residents outside the new hot set; their rows are loaded on the transfer
+        stream, ordered after the current stream's work and before its later work."""
         d = self.directory
         hot = torch.nonzero(uses > 0).flatten()
         if hot.numel() > d.capacity:
@@ -401,15 +408,18 @@ class TableCache:
         d.slot_of.index_fill_(0, evicted, -1)
         d.slot_of.index_copy_(0, incoming, slots.to(torch.int32))
         d.id_of.index_copy_(0, slots, incoming)
+        stream = transfer.stream
         current = torch.cuda.current_stream(self.device) if stream is not None else None
         if stream is not None:  # after the reads queued on the current stream, before those after
             stream.wait_stream(current)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            dev_slots, dev_in, dev_out = (t.to(self.device, non_blocking=False) for t in (slots, incoming, evicted))
+            dev_out = evicted.to(self.device)
             self.slot_map.index_fill_(0, dev_out, -1)
-            rows = self.read_rows(dev_in, self.slot_map, self.slots, self.host)  # not mapped yet: host rows
-            self.slots.index_copy_(0, dev_slots, rows)
-            self.slot_map.index_copy_(0, dev_in, dev_slots.to(torch.int32))
+            for lo in range(0, incoming.numel(), _INSTALL_ROWS):
+                ids, at = incoming[lo:lo + _INSTALL_ROWS], slots[lo:lo + _INSTALL_ROWS]
+                dev_ids, dev_slots = ids.to(self.device), at.to(self.device)
+                self.slots.index_copy_(0, dev_slots, self._host_rows(ids, dev_ids, transfer))
+                self.slot_map.index_copy_(0, dev_ids, dev_slots.to(torch.int32))
         if stream is not None:
             current.wait_stream(stream)
         c = self.counters
@@ -418,28 +428,17 @@ class TableCache:
         c.bytes_h2d += incoming.numel() * self.row_bytes
         c.evictions += evicted.numel()
 
-    def preload(self, counts: torch.Tensor, transfer: TransferStream) -> None:
-        """Copy the most used rows of the sample into the slots (the static hot set)."""
-        capacity = self.directory.capacity
-        hot = torch.nonzero(counts > 0).flatten()
-        if hot.numel() > capacity:
-            hot = hot[torch.sort(counts[hot], descending=True, stable=True).indices[:capacity]]
-        hot, _ = torch.sort(hot)
-        if hot.numel() == 0:
-            return
-        slots = self.directory.preload(hot)
-        turn, buf = self.staging.acquire(hot.numel())
-        c = self.counters
-        c.staging_seconds += self.gatherer.gather(self.host, hot, buf)
+    def _host_rows(self, ids: torch.Tensor, dev_ids: torch.Tensor, transfer: TransferStream) -> torch.Tensor:
+        """Rows ``ids`` (none of them cached) on the device, on the current stream: read by the
+        device itself (zero-copy), or gathered into a staging buffer and copied."""
+        if self.read_rows is not None:
+            return self.read_rows(dev_ids, self.slot_map, self.slots, self.host)
+        turn, buf = self.staging.acquire(ids.numel())
+        self.counters.staging_seconds += self.gatherer.gather(self.host, ids, buf)
         (staged,), event = transfer.upload([buf])
         self.staging.release_after(turn, event)
         transfer.consume([staged], event)
-        dev_slots = slots.to(self.device)
-        self.slots.index_copy_(0, dev_slots, staged)
-        self.slot_map.index_copy_(0, hot.to(self.device), dev_slots.to(torch.int32))
-        c.preloaded += hot.numel()
-        c.rows_h2d += hot.numel()
-        c.bytes_h2d += hot.numel() * self.row_bytes
+        return staged
 
     # ---------------------------------------------------------------- writes
 

@@ -225,8 +225,11 @@ def test_slimcache_bench_fails_when_a_served_row_is_wrong(monkeypatch, tmp_path,
 
         monkeypatch.setattr(table_cache.TableCache, "finish", finish)
     assert script.main(args) == 1
-    # one wrong row in each of the 5 batches
-    assert f"policy {policy}: 5 served edge rows differ" in capsys.readouterr().out
+    # one wrong row in each of the 5 batches (zero-copy: and in the hot set its install read)
+    import re
+
+    found = re.search(rf"policy {policy}: (\d+) served edge rows differ", capsys.readouterr().out)
+    assert found and int(found.group(1)) >= 5
 
 
 # ---------------------------------------------------------------------------- bench/projections.py

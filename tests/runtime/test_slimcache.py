@@ -545,23 +545,25 @@ def test_index_vectors_travel_packed_in_one_int64_buffer(tail):
     assert got32.dtype == torch.int32 and got32.tolist() == tail
 
 
-def zero_copy_cache(edge, budget: float, stream, split: str = "train") -> SlimCache:
+def static_cache(edge, budget: float, stream, reads: str, split: str = "train") -> SlimCache:
     from fastopt.codegen import cached_rows
 
-    cache = SlimCache({"edge": edge}, config=CacheConfig(budget_fraction=budget, host_reads="zero_copy"),
-                      read_rows=cached_rows)
+    cache = SlimCache({"edge": edge}, read_rows=cached_rows,
+                      config=CacheConfig(budget_fraction=budget, host_reads=reads, policy="static"))
     cache.plan(stream[:4], split=split)
     return cache
 
 
+@pytest.mark.parametrize("reads", ["zero_copy", "staged"])
 @pytest.mark.parametrize("budget", list(BUDGETS))
-def test_zero_copy_reads_serve_the_table_and_refresh_the_hot_set_per_split(budget):
-    """Served rows equal the table's bit for bit in every epoch; the counters add up (a hit is a
-    row the slots held); each split's next epoch starts with the rows its last epoch used most."""
+def test_a_static_hot_set_serves_the_table_and_is_refreshed_per_split(budget, reads):
+    """Zero-copy reads and staged lookups of a static hot set: served rows equal the table's bit
+    for bit in every epoch; the counters add up (a hit is a row the slots held); each split's
+    next epoch starts with the rows its last epoch used most."""
     edge, _ = make_tables()
     stream = [b["edge"] for b in make_stream()]
-    cache = zero_copy_cache(edge, BUDGETS[budget], [{"edge": s} for s in stream])
-    assert cache.zero_copy("edge") and cache.policy("edge") == "static"
+    cache = static_cache(edge, BUDGETS[budget], [{"edge": s} for s in stream], reads)
+    assert cache.zero_copy("edge") == (reads == "zero_copy") and cache.policy("edge") == "static"
     capacity = cache.capacity("edge")
     for epoch, split in enumerate(["train", "val", "train", "val"]):
         if epoch:
@@ -576,8 +578,11 @@ def test_zero_copy_reads_serve_the_table_and_refresh_the_hot_set_per_split(budge
             valid = unique.values[unique.values >= 0]
             lookups += valid.numel()
             uses[valid] += 1
-            rows = cache.serve("edge", unique.values.clamp(min=0), unique=unique)
-            assert torch.equal(rows.view(torch.int32), edge[unique.values.clamp(min=0)].view(torch.int32))
+            if reads == "zero_copy":
+                rows = cache.serve("edge", unique.values.clamp(min=0), unique=unique)
+            else:
+                rows = cache.lookup("edge", unique=unique).rows
+            assert torch.equal(rows[unique.values >= 0].view(torch.int32), edge[valid].view(torch.int32))
         assert cache.counters("edge").hits - before == hits
         if epoch >= 2 and capacity:  # the split's last epoch's most used rows are resident
             want = torch.sort(uses, descending=True, stable=True).indices[:min(capacity, int((uses > 0).sum()))]
