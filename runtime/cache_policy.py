@@ -9,8 +9,9 @@ which rows are worth keeping:
 * :class:`FuturePolicy` keeps the rows whose next use is soonest (Belady's rule). Training visits
   batches in a known order and the sampler is reproducible, so the next use of a row is known as
   soon as the batches ahead have been announced (:class:`NextUseIndex`);
-* :class:`StaticPolicy` preloads the rows most frequently used in a pre-sampled part of the epoch
-  and never changes them (FAST's hot set).
+* :class:`StaticPolicy` keeps a hot set that no lookup changes (FAST's): the rows most used in a
+  pre-sampled part of the epoch, replaced between epochs by those the split's last epoch used
+  most (:meth:`~fastopt.runtime.table_cache.TableCache.install`).
 
 The granularity is a batch: all rows of a batch are needed at once, a miss is served by a
 staging copy whether or not it is admitted (bypass), and the rows kept after a batch are chosen
@@ -117,7 +118,7 @@ class LruPolicy(ReplacementPolicy):
 
 
 class StaticPolicy(ReplacementPolicy):
-    """A fixed hot set, preloaded once; misses bypass the cache."""
+    """A hot set no lookup changes (installed between epochs); misses bypass the cache."""
 
     name = "static"
     admits = False

@@ -11,14 +11,14 @@ read-write state (node memory, its timestamps, the mailbox). SlimCache serves th
    budget split between tables, and an id->slot map (int32, -1 = absent) on the device. Hits are
    gathered from slots on the device; misses are gathered on the host by several threads into
    pinned staging buffers and copied on a dedicated stream (:mod:`fastopt.runtime.staging`). A
-   policy decides what stays (:mod:`fastopt.runtime.cache_policy`): ``static`` (preloaded hot
-   set), ``lru``, ``future`` (Belady's rule over the announced batches) or ``auto``.
+   policy decides what stays (:mod:`fastopt.runtime.cache_policy`): ``static`` (a hot set per
+   split: the sample's at first, then, at each epoch, the rows that split's last epoch used
+   most; :meth:`SlimCache.plan`'s ``split``), ``lru``, ``future`` (Belady's rule over the
+   announced batches) or ``auto``.
 3. **Zero-copy reads** (``config.host_reads``; a static table in pinned host memory on a GPU,
    given the ``read_rows`` kernel): :meth:`SlimCache.serve` reads a batch's rows in one launch,
    cached ones from the slots and the rest from the host table by the GPU itself, with no host
-   gather, staging or per-batch bookkeeping beyond the counters. The slots hold a static hot set
-   per split (:meth:`SlimCache.plan`'s ``split``): the sample's at first, then, at each epoch, the
-   rows that split's last epoch used most.
+   gather, staging or per-batch bookkeeping beyond the counters. The slots hold a static hot set.
 
 Read-write tables are never lost: a write to a resident row marks its slot dirty, a dirty row is
 copied back before its slot is reused and at :meth:`SlimCache.flush`; a write to a row that is not
