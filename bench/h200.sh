@@ -23,7 +23,10 @@
 # GDELT-like graph of SCALE_EVENTS (50 M) events synthesized on the machine (SCALE_DIR, ~39 GB at
 # 50 M), then fastopt bench of TGN at batch 4,000, features on the host through a device cache of
 # SCALE_BUDGET (0.1) of their bytes (scale.{log,json}: events/s, bytes moved, peak host and device
-# memory, test AP). Bench epochs:
+# memory, test AP). "host": fastopt bench of tgl, fastopt and fastopt-host per model (features in
+# host memory through SlimCache; host.log, host-*.json, each under HOST_S seconds) and
+# bench/slimcache.py --device cuda (slimcache.{log,json}: each read path's wall-clock beside the
+# naive path and all on the device, under SLIMCACHE_S). Bench epochs:
 # BENCH_EPOCHS (4: the steady figure is the median of three, which one slow epoch cannot move).
 set -u
 export PYTHONUNBUFFERED=1
@@ -88,6 +91,18 @@ fi
     --json "$OUT/accuracy.json" -- --batch-size 600 --edge-dim 172 --mrr-negatives 0 > "$OUT/accuracy.log" 2>&1
 [[ " $STEPS " == *" pyg "* ]] && timeout "${PYG_S:-480}" python3 bench/pyg_tgn.py --device cuda --epochs 5 --control \
     --seeds ${SEEDS:-0 1 2} --json "$OUT/pyg.json" > "$OUT/pyg.log" 2>&1
+if [[ " $STEPS " == *" host "* ]]; then
+    # features in host memory through SlimCache (a budget of cache.budget_fraction, 0.1 by default)
+    # beside the device tables and TGL's path, per model; then the cache alone, per read path
+    for m in tgn tgat; do
+        timeout "${HOST_S:-100}" fastopt bench --model $m --batch-size 600 --epochs "${BENCH_EPOCHS:-4}" \
+            --contenders tgl,fastopt,fastopt-host --no-progress --json "$OUT/host-$m.json" >> "$OUT/host.log" 2>&1
+    done
+    timeout "${SLIMCACHE_S:-90}" python3 bench/slimcache.py --device cuda --datasets wikipedia --budgets 0.1 \
+        --policies future static zero_copy --negatives destinations --layout fastopt \
+        --json "$OUT/slimcache.json" > "$OUT/slimcache.log" 2>&1
+    grep -E "^(tgl|fastopt|fastopt-host) " "$OUT/host.log"; grep -E "edge_feat|WRONG" "$OUT/slimcache.log"
+fi
 [ -f "$OUT/bench.log" ] && grep -E "^(eager|tgl|pyg|compile|fastopt) " "$OUT/bench.log"
 [ -f "$OUT/accuracy.log" ] && tail -16 "$OUT/accuracy.log"
 [ -f "$OUT/pyg.log" ] && tail -12 "$OUT/pyg.log"
