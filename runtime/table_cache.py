@@ -215,6 +215,9 @@ class TableCache:
         self.directory = SlotDirectory(self.num_rows, capacity, pol)
         self.slots = torch.empty((capacity,) + self.row_shape, dtype=self.dtype, device=self.device)
         self.slot_map = torch.full((self.num_rows,), -1, dtype=torch.int32, device=self.device)
+        # what zero-copy reads pass as slots: the kernel takes none that are empty
+        self._read_slots = self.slots if capacity else torch.zeros((1,) + self.row_shape, dtype=self.dtype,
+                                                                   device=self.device)
 
     def unique_of(self, ids: Ids) -> tuple:
         """(sorted unique ids, inverse, pad) of ``ids``, checked against the table's range."""
@@ -258,22 +261,9 @@ class TableCache:
         """
         real = values[pad:]
         plan = self.directory.access(real, announced)
-        if self.seen is not None and announced:  # a static hot set's next one
-            self.seen.numpy()[real.numpy()] += 1
-        if self.recorded is not None:
-            self.recorded.append(real)
-        c = self.counters
-        c.batches += 1
-        requested = self.requested(inverse, pad)
-        c.requested += requested
-        c.naive_bytes += requested * self.row_bytes
-        c.lookups += real.numel()
-        c.dedup_bytes += real.numel() * self.row_bytes
         h, m = plan.hit_pos.numel(), plan.miss_pos.numel()
-        c.hits += h
-        c.misses += m
-        c.rows_h2d += m
-        c.bytes_h2d += m * self.row_bytes
+        self._count(real, self.requested(inverse, pad), h, announced)
+        c = self.counters
         c.evictions += plan.evict_ids.numel()
         miss_pos = plan.miss_pos.numpy()[admitted_first(plan.admit_sel.numpy(), m)]
         turn, buf = self.staging.acquire(pad + m)
@@ -355,25 +345,27 @@ class TableCache:
         ``values``: the batch's unique valid ids on the host, for the counters and the next hot
         set (``counted=False``: a lookup outside the epoch, neither)."""
         if counted:  # NumPy on a staging thread: torch's intra-op pool would contend with the sampler's
-            c, n, ids_np = self.counters, values.numel(), values.numpy()
-            hits = int(np.count_nonzero(self.directory.slot_of.numpy()[ids_np] >= 0))
-            c.batches += 1
-            c.requested += requested
-            c.naive_bytes += requested * self.row_bytes
-            c.lookups += n
-            c.dedup_bytes += n * self.row_bytes
-            c.hits += hits
-            c.misses += n - hits
-            c.rows_h2d += n - hits
-            c.bytes_h2d += (n - hits) * self.row_bytes
-            if self.seen is not None:
-                self.seen.numpy()[ids_np] += 1  # a batch's ids are distinct
-            if self.recorded is not None:
-                self.recorded.append(values)
-        slots = self.slots if self.slots.shape[0] else torch.zeros((1,) + self.row_shape, dtype=self.dtype,
-                                                                     device=self.device)
-        rows = self.read_rows(ids, self.slot_map, slots, self.host)
+            self._count(values, requested, int(np.count_nonzero(self.directory.slot_of.numpy()[values.numpy()] >= 0)))
+        rows = self.read_rows(ids, self.slot_map, self._read_slots, self.host)
         return rows.reshape(-1) if self.is_1d else rows
+
+    def _count(self, values: torch.Tensor, requested: int, hits: int, announced: bool = True) -> None:
+        """One lookup of ``values`` (its unique valid ids, on the host) in the counters, the
+        recorded stream and, announced, the uses that pick the next static hot set."""
+        c, n = self.counters, values.numel()
+        c.batches += 1
+        c.requested += requested
+        c.naive_bytes += requested * self.row_bytes
+        c.lookups += n
+        c.dedup_bytes += n * self.row_bytes
+        c.hits += hits
+        c.misses += n - hits
+        c.rows_h2d += n - hits
+        c.bytes_h2d += (n - hits) * self.row_bytes
+        if self.seen is not None and announced:
+            self.seen.numpy()[values.numpy()] += 1  # a batch's ids are distinct
+        if self.recorded is not None:
+            self.recorded.append(values)
 
     def begin_split(self, split: str, transfer: TransferStream) -> None:
         """Start an epoch of ``split`` (a static hot set): keep the uses counted in the epoch
