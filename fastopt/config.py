@@ -104,6 +104,9 @@ class CacheConfig:
     # how a GPU gets rows the cache lacks: "zero_copy" (it reads pinned host memory itself; static
     # hot set per split, refreshed each epoch), "staged" (host gathers, then copies) or "auto"
     host_reads: str = "auto"
+    # a memory-mapped table on a GPU is read into pinned RAM (so zero-copy reads can serve it) when
+    # it takes at most this fraction of the available host memory; 0 = always read it in place
+    pin_ram_fraction: float = 0.5
     # dtype of static features on the wire and in the cache: "float32", "bfloat16" or "float16"
     transfer_dtype: str = "float32"
     # threads gathering cache misses into pinned staging buffers
@@ -391,8 +394,8 @@ class Config:
                "one of 'auto' (on CUDA), 'on', 'off'")
         _check(self.train.adam in ("auto", "fused", "foreach", "single"), "train.adam", self.train.adam,
                "one of 'auto', 'fused', 'foreach', 'single'")
-        _check(0.0 <= self.cache.budget_fraction <= 1.0, "cache.budget_fraction",
-               self.cache.budget_fraction, "in [0, 1]")
+        for key in ("budget_fraction", "pin_ram_fraction"):
+            _check(0.0 <= getattr(self.cache, key) <= 1.0, f"cache.{key}", getattr(self.cache, key), "in [0, 1]")
         _check(self.cache.policy in ("static", "lru", "future", "auto"), "cache.policy",
                self.cache.policy, "one of 'static', 'lru', 'future', 'auto'")
         _check(self.cache.host_reads in ("auto", "zero_copy", "staged"), "cache.host_reads",
@@ -443,12 +446,9 @@ class Config:
         _check(self.pipeline.prefetch_depth >= 0, "pipeline.prefetch_depth", self.pipeline.prefetch_depth, ">= 0")
         _check(self.pipeline.stage_threads >= 0, "pipeline.stage_threads", self.pipeline.stage_threads,
                ">= 0 (0 = 2 on CUDA, 1 on the CPU)")
-        _check(self.train.epochs >= 1, "train.epochs", self.train.epochs, ">= 1")
-        _check(self.train.batch_size >= 1, "train.batch_size", self.train.batch_size, ">= 1")
+        for knob, low in (("epochs", 1), ("batch_size", 1), ("mrr_negatives", 0), ("edge_dim", 0), ("node_dim", 0)):
+            _check(getattr(self.train, knob) >= low, f"train.{knob}", getattr(self.train, knob), f">= {low}")
         _check(self.train.lr > 0, "train.lr", self.train.lr, "> 0")
-        _check(self.train.mrr_negatives >= 0, "train.mrr_negatives", self.train.mrr_negatives, ">= 0")
-        _check(self.train.edge_dim >= 0, "train.edge_dim", self.train.edge_dim, ">= 0")
-        _check(self.train.node_dim >= 0, "train.node_dim", self.train.node_dim, ">= 0")
         _check(self.train.patience >= 0, "train.patience", self.train.patience,
                ">= 0 (0 = no early stopping)")
         for knob in ("memory_dim", "dim", "time_dim", "heads", "mailbox_size"):

@@ -26,7 +26,9 @@ plan -> sample -> stage -> :class:`~fastopt.runtime.GraphInputs`, ahead of the s
   budgeted device cache when ``cache.budget_fraction > 0``), or ``auto`` (device when the
   tables fit ``cache.device_budget_fraction`` of the free device memory, else host). With
   ``sampler.dedup`` only a batch's unique rows travel; without it every sampled slot's row does
-  (the path of loaders that copy per slot).
+  (the path of loaders that copy per slot). A memory-mapped host table is read into pinned RAM
+  when it takes at most ``cache.pin_ram_fraction`` of the available memory (zero-copy reads then
+  serve it), else read in place from its file.
 * **Hand over.** The model receives per-slot tensors (expanded on the device) and the batch's
   unique nodes with their inverse index, the unique count padded on CUDA to the largest bucketed
   length seen so far for batches of that many roots (:class:`~fastopt.runtime.inputs.HighWater`), so that a captured step sees
@@ -44,6 +46,7 @@ graph is duck-typed (``src``, ``dst``, ``ts``, ``edge_feat``, ``node_feat``, ``n
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional
@@ -55,6 +58,7 @@ from fastopt.config import Config
 from fastopt.runtime.blocks import SampledBatch, Unique
 from fastopt.runtime.epoch import EpochStream
 from fastopt.runtime.inputs import GraphInputs, HighWater
+from fastopt.runtime.staging import available_ram, pinned_copy
 from fastopt.runtime.streams import copy_stream
 from fastopt.runtime.timing import StageTimer
 
@@ -159,8 +163,8 @@ class Loader:
                 and graph.edge_feat is not None and graph.edge_feat.shape[1] > 0:
             from fastopt.runtime.slimcache import CacheTable, SlimCache
 
-            # A mapped table is read in place: the cache gathers its misses from the file.
-            mapped = isinstance(graph.edge_feat, np.memmap)
+            # A mapped table left on disk is read in place: the cache gathers misses from the file.
+            mapped = isinstance(graph.edge_feat, np.memmap) and not self.edge_table.is_pinned()
             self.cache = SlimCache({"edge": CacheTable(self.edge_table, mapped=mapped)}, self.device,
                                    config.cache, read_rows=read_rows)
         # the device reads the cache's misses from the pinned table itself (SlimCache.serve)
@@ -201,10 +205,17 @@ class Loader:
             table = torch.from_numpy(np.ascontiguousarray(feat))
         if self.placement == "device":
             return table.to(self.device)
-        # Pinning copies a table into page-locked RAM: a memory-mapped one stays on disk, and
-        # _gather_host (or SlimCache, when on) reads the rows a batch needs from it into pinned
-        # buffers.
-        return table.pin_memory() if self.cuda and not mapped else table
+        if not self.cuda:
+            return table
+        if not mapped:
+            return table.pin_memory()
+        # A memory-mapped table is read into pinned RAM when the host has room for it (then the
+        # GPU can read its rows itself); else it stays on disk, and _gather_host (or SlimCache)
+        # reads the rows a batch needs from it into pinned buffers.
+        c = self.config.cache
+        if c.host_reads != "staged" and feat.nbytes <= c.pin_ram_fraction * available_ram():
+            return pinned_copy(feat, threads=max(1, min(8, os.cpu_count() or 1)))
+        return table
 
     # ------------------------------------------------------------------------ planning
     def plan(self, split: str, epoch: int, mrr_negatives: int = 0) -> Iterator[EventBatch]:

@@ -15,18 +15,23 @@ Layering: imports nothing of fastopt but the copy stream (:mod:`fastopt.runtime.
 
 from __future__ import annotations
 
+import os
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from fastopt.runtime.streams import copy_stream
 
-__all__ = ["HostGatherer", "StagingBuffers", "TransferStream"]
+__all__ = ["HostGatherer", "StagingBuffers", "TransferStream", "available_ram", "pinned_copy"]
 
 # Below this many rows per thread, handing work to the pool costs more than it saves.
 _MIN_ROWS_PER_THREAD = 2048
+# Rows a thread copies at a time when a mapped table is read into RAM (pinned_copy).
+_COPY_ROWS = 1 << 16
 
 
 class HostGatherer:
@@ -148,3 +153,39 @@ class TransferStream:
         for t in tensors:
             # Allocated on the copy stream, used on this one: keep the memory until this use ends.
             t.record_stream(current)
+
+
+def available_ram() -> int:
+    """Bytes of host memory available to a new allocation (``MemAvailable``: free memory plus
+    the page cache the kernel can reclaim); the physical memory where that is not reported."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def pinned_copy(table: np.ndarray, threads: int = 8) -> torch.Tensor:
+    """``table`` (a memory-mapped file, say) read into page-locked host memory of exactly its
+    size: a GPU then reads its rows itself (zero-copy). The rows are copied by ``threads``
+    threads, then the buffer is registered with the CUDA driver (``cudaHostRegister``; torch's
+    pinned allocator would round a large table up to a power of two) and unregistered when the
+    returned tensor's memory is freed."""
+    out = np.empty(table.shape, dtype=table.dtype)
+    if table.shape[0]:
+        def copy(lo: int) -> None:
+            out[lo:lo + _COPY_ROWS] = table[lo:lo + _COPY_ROWS]
+
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="fastopt-pin") as pool:
+            list(pool.map(copy, range(0, table.shape[0], _COPY_ROWS)))
+    pinned = torch.from_numpy(out)
+    if out.nbytes:
+        cudart = torch.cuda.cudart()
+        err = int(cudart.cudaHostRegister(out.ctypes.data, out.nbytes, 1))  # cudaHostRegisterPortable
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister of a {out.nbytes:,}-byte table failed (CUDA error {err})")
+        weakref.finalize(out, cudart.cudaHostUnregister, out.ctypes.data)
+    return pinned

@@ -158,6 +158,87 @@ def test_host_and_device_placement_read_a_mapped_graph_alike_bitwise(small_graph
     assert len(streams["host"]) == len(streams["device"]) == b + 1
 
 
+class FakeCudart:
+    """Stands in for ``torch.cuda.cudart()`` on the CPU: records host registrations."""
+
+    def __init__(self):
+        self.registered, self.unregistered = [], []
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.registered.append((ptr, size))
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_pinned_copy_reads_a_mapped_table_into_ram_registered_at_its_exact_size(mapped_graph, monkeypatch):
+    """A mapped table is copied whole (by several threads, in parts) into memory of its own, which
+    is registered with the driver at exactly its size and unregistered once freed."""
+    import gc
+
+    from fastopt.runtime import staging
+
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(staging, "_COPY_ROWS", 512)  # 3,000 rows: six parts
+    feat = mapped_graph.edge_feat
+    table = staging.pinned_copy(feat, threads=3)
+    assert torch.equal(table, torch.from_numpy(np.asarray(feat)))
+    assert table.data_ptr() != feat.ctypes.data and table.is_contiguous()
+    ptr = table.data_ptr()
+    assert cudart.registered == [(ptr, feat.nbytes)] and cudart.unregistered == []
+    del table
+    gc.collect()
+    assert cudart.unregistered == [ptr]
+
+
+@pytest.mark.parametrize("host_reads,fraction,ram,pinned", [
+    ("auto", 0.5, 10_000_000, True), ("zero_copy", 0.5, 200_000, True), ("auto", 0.5, 100_000, False),
+    ("staged", 0.5, 10_000_000, False), ("auto", 0.0, 10_000_000, False)])
+def test_a_mapped_host_table_on_a_gpu_is_pinned_when_the_ram_has_room(mapped_graph, monkeypatch, host_reads,
+                                                                      fraction, ram, pinned):
+    """Host placement on a GPU reads a mapped table (96,000 bytes here) into pinned RAM when it
+    takes at most ``cache.pin_ram_fraction`` of the available memory and reads are not
+    ``staged``; otherwise the mapping itself is the table."""
+    from fastopt.runtime import loader as loader_module
+
+    calls = []
+    monkeypatch.setattr(loader_module, "available_ram", lambda: ram)
+    monkeypatch.setattr(loader_module, "pinned_copy",
+                        lambda feat, threads: calls.append(feat) or torch.from_numpy(np.array(feat)))
+    loader = Loader(mapped_graph, None, torch.device("cpu"),
+                    config(cache__placement="host", cache__host_reads=host_reads, cache__pin_ram_fraction=fraction))
+    loader.cuda = True  # what _table decides on a GPU
+    table = loader._table(mapped_graph.edge_feat)
+    assert torch.equal(table, torch.from_numpy(np.asarray(mapped_graph.edge_feat)))
+    assert (len(calls) == 1) == pinned
+    assert (table.data_ptr() == mapped_graph.edge_feat.ctypes.data) == (not pinned)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_mapped_table_read_into_pinned_ram_is_served_zero_copy_on_cuda(mapped_graph):
+    """On a GPU a mapped table that fits the RAM is pinned and read zero-copy: the model gets the
+    device tables' features, bit for bit."""
+    from fastopt.codegen import cached_rows
+
+    streams = {}
+    for placement in ("device", "host"):
+        cfg = config(cache__placement=placement, cache__budget_fraction=0.2, train__device="cuda")
+        loader = Loader(mapped_graph, NumpySampler(mapped_graph, [3, 2], "uniform", seed=5), torch.device("cuda"),
+                        cfg, read_rows=cached_rows)
+        if placement == "host":
+            assert loader.edge_table.is_pinned() and loader.zero_copy
+        with loader.epoch("train", 0) as batches:
+            streams[placement] = [[f[m].cpu() for f, m in zip(b.inputs.edge_feat, b.inputs.mask, strict=True)]
+                                  + [b.event_feat.cpu()] for b in batches]
+    assert len(streams["host"]) == len(streams["device"])
+    for h, d in zip(streams["host"], streams["device"]):
+        assert all(torch.equal(x, y) for x, y in zip(h, d, strict=True))
+
+
 def test_dense_inputs_give_a_model_that_reads_edge_rows_the_same_output(small_graph):
     """GraphInputs built per slot (no edge rows) run an edge-row model through its per-slot rows."""
     cfg = config()
