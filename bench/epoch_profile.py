@@ -164,22 +164,24 @@ def profile_pipeline(trainer: Trainer, epochs: int) -> int:
 
 def idle_report(kernels: List[Tuple[float, float, str]], rows: int) -> str:
     """How long no kernel ran between the first kernel's start and the last one's end, and the
-    ``rows`` longest such gaps with the kernels around them (times in microseconds)."""
+    ``rows`` longest such gaps with when each began (from the first kernel's start) and the
+    kernels around it (times in microseconds)."""
     if not kernels:
         return "device idle: no kernel was recorded"
     kernels = sorted(kernels)
+    first = kernels[0][0]
     gaps, end, last = [], kernels[0][1], kernels[0][2]
     for start, stop, name in kernels[1:]:
         if start > end:
-            gaps.append((start - end, last, name))
+            gaps.append((start - end, end - first, last, name))
         if stop > end:
             end, last = stop, name
-    span = end - kernels[0][0]
-    idle = sum(g for g, _, _ in gaps)
+    span = end - first
+    idle = sum(g[0] for g in gaps)
     lines = [f"device idle: {idle / 1e3:.1f} ms of {span / 1e3:.1f} ms ({100 * idle / max(span, 1e-9):.1f} %) "
-             f"in {len(gaps)} gaps, {sum(g > 50 for g, _, _ in gaps)} of them over 50 us; the longest:"]
-    for gap, before, after in sorted(gaps, reverse=True)[:rows]:
-        lines.append(f"  {gap / 1e3:8.3f} ms  after {before[:60]}  before {after[:60]}")
+             f"in {len(gaps)} gaps, {sum(g[0] > 50 for g in gaps)} of them over 50 us; the longest:"]
+    for gap, at, before, after in sorted(gaps, reverse=True)[:rows]:
+        lines.append(f"  {gap / 1e3:8.3f} ms  at +{at / 1e3:.1f} ms  after {before[:60]}  before {after[:60]}")
     return "\n".join(lines)
 
 

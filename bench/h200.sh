@@ -28,6 +28,8 @@
 # bench/slimcache.py --device cuda (slimcache.{log,json}: each read path's wall-clock beside the
 # naive path and all on the device, under SLIMCACHE_S). Bench epochs:
 # BENCH_EPOCHS (4: the steady figure is the median of three, which one slow epoch cannot move).
+# "hostprof": bench/epoch_profile.py --model tgn under each placement, device and host
+# (profile-{device,host}.log; each under HOSTPROF_S seconds). TUNE_DB resumes the tune step's studies.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the output folder}
@@ -60,6 +62,9 @@ if [[ " $STEPS " == *" bench "* ]]; then
     done
 fi
 if [[ " $STEPS " == *" tune "* ]]; then
+    # TUNE_DB: a tune.db an earlier call returned (carried in a git-ignored folder): its studies
+    # resume where they stopped, so that one study can span calls of 10 minutes
+    [ -n "${TUNE_DB:-}" ] && cp "$TUNE_DB" "$OUT/tune.db"
     for d in ${TUNE_DATASETS:-wikipedia}; do
         for m in ${TUNE_MODELS:-tgn tgat}; do
             timeout "${TUNE_S:-900}" fastopt tune --dataset "$d" --model $m --batch-size 600 --edge-dim 172 \
@@ -85,6 +90,15 @@ if [[ " $STEPS " == *" scale "* ]]; then
         --json "$OUT/scale.json" >> "$OUT/scale.log" 2>&1  # progress bars: a run cut short still shows its rate
     rm -rf "$g" "$(dirname "$g")/.$(basename "$g")".*.tmp
     tail -5 "$OUT/scale.log"
+fi
+if [[ " $STEPS " == *" hostprof "* ]]; then
+    # one profiled TGN epoch per placement (device tables, then features on the host through
+    # SlimCache): device idle time and its longest gaps, with when each began (profile-*.log)
+    for p in device host; do
+        FASTOPT_CACHE_PLACEMENT=$p timeout "${HOSTPROF_S:-60}" python3 bench/epoch_profile.py --model tgn \
+            --rows 12 > "$OUT/profile-$p.log" 2>&1
+        echo "== $p"; grep -E "^(warm-up|profiled)" "$OUT/profile-$p.log"; grep -A12 "^device idle" "$OUT/profile-$p.log"
+    done
 fi
 [[ " $STEPS " == *" accuracy "* ]] && FASTOPT_SAMPLER_THREADS=2 timeout "${ACCURACY_S:-300}" python3 bench/accuracy.py \
     --datasets wikipedia --seeds ${SEEDS:-0 1 2} --variants ${VARIANTS:-eager fastopt} --jobs "${JOBS:-12}" \

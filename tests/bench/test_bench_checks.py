@@ -356,8 +356,8 @@ def test_idle_report_counts_the_time_no_kernel_runs():
     kernels = [(0, 100, "a"), (50, 120, "b"), (200, 260, "c"), (230, 240, "d"), (1260, 1300, "e")]
     text = report(kernels, rows=2)
     assert text.splitlines()[0] == "device idle: 1.1 ms of 1.3 ms (83.1 %) in 2 gaps, 2 of them over 50 us; the longest:"
-    assert text.splitlines()[1].split() == ["1.000", "ms", "after", "c", "before", "e"]
-    assert text.splitlines()[2].split() == ["0.080", "ms", "after", "b", "before", "c"]
+    assert text.splitlines()[1].split() == ["1.000", "ms", "at", "+0.3", "ms", "after", "c", "before", "e"]
+    assert text.splitlines()[2].split() == ["0.080", "ms", "at", "+0.1", "ms", "after", "b", "before", "c"]
     assert report([], rows=3) == "device idle: no kernel was recorded"
 
 
