@@ -28,6 +28,8 @@
 # bench/slimcache.py --device cuda (slimcache.{log,json}: each read path's wall-clock beside the
 # naive path and all on the device, under SLIMCACHE_S). Bench epochs:
 # BENCH_EPOCHS (4: the steady figure is the median of three, which one slow epoch cannot move).
+# "host" also runs TGN's fastopt and fastopt-host under each of HOST_VARIANTS (env settings, e.g.
+# "FASTOPT_PIPELINE_GIL_SWITCH_US=250 FASTOPT_PIPELINE_GIL_SWITCH_US=1000"); SKIP_SLIMCACHE=1 skips its slimcache run.
 # "hostprof": bench/epoch_profile.py --model tgn under each placement, device and host
 # (profile-{device,host}.log; each under HOSTPROF_S seconds). TUNE_DB resumes the tune step's studies.
 set -u
@@ -112,10 +114,20 @@ if [[ " $STEPS " == *" host "* ]]; then
         timeout "${HOST_S:-100}" fastopt bench --model $m --batch-size 600 --epochs "${BENCH_EPOCHS:-4}" \
             --contenders tgl,fastopt,fastopt-host --no-progress --json "$OUT/host-$m.json" >> "$OUT/host.log" 2>&1
     done
+    # HOST_VARIANTS: space-separated VAR=VALUE[,VAR=VALUE] settings; TGN's fastopt and fastopt-host
+    # again under each, one bench per setting (host-tgn-vN.json), so that a knob is judged by the
+    # same-run ratio
+    n=0
+    for v in ${HOST_VARIANTS:-}; do
+        n=$((n + 1)); echo "== v$n: $v" >> "$OUT/host.log"
+        env ${v//,/ } timeout "${HOST_S:-100}" fastopt bench --model tgn --batch-size 600 --epochs "${BENCH_EPOCHS:-4}" \
+            --contenders fastopt,fastopt-host --no-progress --json "$OUT/host-tgn-v$n.json" >> "$OUT/host.log" 2>&1
+    done
+    [ -n "${SKIP_SLIMCACHE:-}" ] || \
     timeout "${SLIMCACHE_S:-90}" python3 bench/slimcache.py --device cuda --datasets wikipedia --budgets 0.1 \
         --policies future static zero_copy --negatives destinations --layout fastopt \
         --json "$OUT/slimcache.json" > "$OUT/slimcache.log" 2>&1
-    grep -E "^(tgl|fastopt|fastopt-host) " "$OUT/host.log"; grep -E "edge_feat|WRONG" "$OUT/slimcache.log"
+    grep -E "^(==|tgl|fastopt|fastopt-host) " "$OUT/host.log"; grep -sE "edge_feat|WRONG" "$OUT/slimcache.log"
 fi
 [ -f "$OUT/bench.log" ] && grep -E "^(eager|tgl|pyg|compile|fastopt) " "$OUT/bench.log"
 [ -f "$OUT/accuracy.log" ] && tail -16 "$OUT/accuracy.log"
