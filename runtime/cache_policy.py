@@ -33,22 +33,9 @@ import torch
 
 from fastopt.errors import CacheError
 
-__all__ = [
-    "AccessPlan",
-    "SlotDirectory",
-    "ReplacementPolicy",
-    "LruPolicy",
-    "FuturePolicy",
-    "StaticPolicy",
-    "NextUseIndex",
-    "BeladyResult",
-    "belady_optimum",
-    "access_counts",
-    "split_budget",
-    "make_policy",
-    "choose_policy",
-    "POLICIES",
-]
+__all__ = ["AccessPlan", "SlotDirectory", "ReplacementPolicy", "LruPolicy", "FuturePolicy", "StaticPolicy",
+           "NextUseIndex", "BeladyResult", "belady_optimum", "access_counts", "hot_set", "split_budget",
+           "make_policy", "choose_policy", "POLICIES"]
 
 POLICIES = ("static", "lru", "future", "auto")
 
@@ -335,13 +322,33 @@ class SlotDirectory:
         if ids.numel() > self.capacity - self.filled:
             raise CacheError(f"cannot preload {ids.numel()} rows into {self.capacity - self.filled} "
                              f"free slots; preload at most the cache's capacity ({self.capacity} rows)")
-        free = torch.arange(self.filled, self.filled + ids.numel())
-        self.filled += ids.numel()
-        self.slot_of.index_copy_(0, ids, free.to(torch.int32))
-        self.id_of.index_copy_(0, free, ids)
-        self.dirty.index_fill_(0, free, False)
-        self._rank(free)
-        return free
+        return self.install(ids)[1]
+
+    def install(self, hot: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Make ``hot`` (distinct ids, at most ``capacity``) resident: those not yet resident take
+        the free slots, then the slots of residents outside ``hot``. Returns the incoming ids,
+        their slots and the evicted ids; a caller with dirty rows writes them home first (the
+        reused slots come back clean)."""
+        incoming = hot[self.slot_of.index_select(0, hot) < 0]
+        if incoming.numel() == 0:
+            return incoming, incoming, incoming
+        wanted = torch.zeros(self.num_rows, dtype=torch.bool)
+        wanted[hot] = True
+        occupied = torch.nonzero(self.id_of >= 0).flatten()
+        leaving = occupied[~wanted.index_select(0, self.id_of.index_select(0, occupied))]
+        free = torch.arange(self.filled, self.capacity)
+        slots = torch.cat([free, leaving])[:incoming.numel()]
+        self.filled += min(free.numel(), incoming.numel())
+        old = self.id_of.index_select(0, slots)
+        evicted = old[old >= 0]
+        self.slot_of.index_fill_(0, evicted, -1)
+        self.slot_of.index_copy_(0, incoming, slots.to(torch.int32))
+        self.id_of.index_copy_(0, slots, incoming)
+        self.dirty.index_fill_(0, slots, False)
+        self.next_use.index_fill_(0, slots, NEVER)
+        self.last_use.index_fill_(0, slots, -1)
+        self._rank(slots)
+        return incoming, slots, evicted
 
     def refresh(self, ids: torch.Tensor, next_use: int) -> None:
         """Set the next use of those of ``ids`` that are resident (a newly announced batch)."""
@@ -544,6 +551,15 @@ def belady_optimum(stream: Sequence, capacity: int, num_rows: Optional[int] = No
     return BeladyResult(lookups, misses)
 
 
+def hot_set(counts: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The ids of at most ``capacity`` rows with the largest positive ``counts`` (a static hot
+    set; on ties the lower id first)."""
+    hot = torch.nonzero(counts > 0).flatten()
+    if hot.numel() > capacity:
+        hot = hot[torch.sort(counts[hot], descending=True, stable=True).indices[:capacity]]
+    return hot
+
+
 def make_policy(name: str, num_rows: int) -> Tuple[ReplacementPolicy, Optional[NextUseIndex]]:
     """The policy object for a policy name (``auto`` is resolved by :func:`choose_policy` first)."""
     if name == "lru":
@@ -573,11 +589,9 @@ def choose_policy(num_rows: int, capacity: int, sample: Optional[List[torch.Tens
             for values in sample:
                 directory.refresh(index.announce(values), index.announced - 1)
         if name == "static":
-            counts = access_counts(sample, num_rows)
-            hot = torch.nonzero(counts > 0).flatten()
-            order = torch.sort(counts[hot], descending=True, stable=True).indices[:capacity]
-            directory.preload(hot[order])
-            moved += min(hot.numel(), capacity)
+            hot = hot_set(access_counts(sample, num_rows), capacity)
+            directory.preload(hot)
+            moved += hot.numel()
         for values in sample:
             moved += directory.access(values).miss_pos.numel()
         if best_rows is None or moved < best_rows:

@@ -37,7 +37,7 @@ import torch
 
 from fastopt.errors import CacheError
 from fastopt.runtime.blocks import Unique
-from fastopt.runtime.cache_policy import AccessPlan, SlotDirectory, make_policy
+from fastopt.runtime.cache_policy import AccessPlan, SlotDirectory, hot_set, make_policy
 from fastopt.runtime.staging import HostGatherer, StagingBuffers, TransferStream
 
 # Rows a hot-set install loads per staging buffer (a cache of millions of slots is filled in parts).
@@ -381,25 +381,11 @@ class TableCache:
         """Give the ``capacity`` most used rows slots (a static hot set): the free ones, then
         those of residents outside the new hot set; their rows are loaded on the transfer
         stream, ordered after the current stream's work and before its later work."""
-        d = self.directory
-        hot = torch.nonzero(uses > 0).flatten()
-        if hot.numel() > d.capacity:
-            hot = hot[torch.sort(uses[hot], descending=True, stable=True).indices[:d.capacity]]
-        incoming = hot[d.slot_of.index_select(0, hot) < 0]
+        if self.writable:
+            self.flush()  # a dirty row goes home before its slot is given to another
+        incoming, slots, evicted = self.directory.install(hot_set(uses, self.directory.capacity))
         if incoming.numel() == 0:
             return
-        wanted = torch.zeros(self.num_rows, dtype=torch.bool)
-        wanted[hot] = True
-        occupied = torch.nonzero(d.id_of >= 0).flatten()
-        leaving = occupied[~wanted.index_select(0, d.id_of.index_select(0, occupied))]
-        free = torch.arange(d.filled, d.capacity)
-        slots = torch.cat([free, leaving])[:incoming.numel()]
-        d.filled += min(free.numel(), incoming.numel())
-        old = d.id_of.index_select(0, slots)
-        evicted = old[old >= 0]
-        d.slot_of.index_fill_(0, evicted, -1)
-        d.slot_of.index_copy_(0, incoming, slots.to(torch.int32))
-        d.id_of.index_copy_(0, slots, incoming)
         stream = transfer.stream
         current = torch.cuda.current_stream(self.device) if stream is not None else None
         if stream is not None:  # after the reads queued on the current stream, before those after

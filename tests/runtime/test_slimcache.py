@@ -545,6 +545,24 @@ def test_index_vectors_travel_packed_in_one_int64_buffer(tail):
     assert got32.dtype == torch.int32 and got32.tolist() == tail
 
 
+def test_a_static_hot_set_refresh_writes_dirty_rows_home_before_reusing_their_slots():
+    """A read-write table under the static policy: when a split's next epoch installs its hot set
+    over rows another split wrote, those rows reach the host first; nothing written is lost."""
+    mem = torch.zeros(100, 4)
+    cache = SlimCache({"m": CacheTable(mem, writable=True)}, config=CacheConfig(policy="static", budget_fraction=0.2))
+    train, val = torch.arange(0, 20), torch.arange(50, 70)
+    cache.plan([{"m": train}] * 3, split="train")
+    cache.lookup("m", train)
+    cache.write("m", train, torch.full((20, 4), 7.0))  # resident, dirty
+    cache.begin_epoch("val")
+    cache.lookup("m", val)
+    cache.begin_epoch("val")  # val's hot set takes the train rows' slots
+    assert bool((cache.slot_map("m")[val] >= 0).all()) and bool((cache.slot_map("m")[train] < 0).all())
+    assert torch.equal(cache.lookup("m", train).expand(), torch.full((20, 4), 7.0))
+    cache.flush()
+    assert torch.equal(cache._tables["m"].host[:20], torch.full((20, 4), 7.0))
+
+
 def static_cache(edge, budget: float, stream, reads: str, split: str = "train") -> SlimCache:
     from fastopt.codegen import cached_rows
 
