@@ -214,7 +214,12 @@ class Loader:
         # reads the rows a batch needs from it into pinned buffers.
         c = self.config.cache
         if c.host_reads != "staged" and feat.nbytes <= c.pin_ram_fraction * available_ram():
-            return pinned_copy(feat, threads=max(1, min(8, os.cpu_count() or 1)))
+            try:
+                return pinned_copy(feat, threads=max(1, min(8, os.cpu_count() or 1)))
+            except MemoryError as exc:
+                warnings.warn(f"a {feat.nbytes:,}-byte mapped table stays on disk (its misses gathered from "
+                              f"the file): {exc}; lower cache.pin_ram_fraction to skip the attempt",
+                              RuntimeWarning, stacklevel=2)
         return table
 
     # ------------------------------------------------------------------------ planning

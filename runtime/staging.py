@@ -173,7 +173,11 @@ def pinned_copy(table: np.ndarray, threads: int = 8) -> torch.Tensor:
     size: a GPU then reads its rows itself (zero-copy). The rows are copied by ``threads``
     threads, then the buffer is registered with the CUDA driver (``cudaHostRegister``; torch's
     pinned allocator would round a large table up to a power of two) and unregistered when the
-    returned tensor's memory is freed."""
+    returned tensor's memory is freed.
+
+    Raises:
+        MemoryError: the RAM or the driver refused the copy or its registration.
+    """
     out = np.empty(table.shape, dtype=table.dtype)
     if table.shape[0]:
         def copy(lo: int) -> None:
@@ -186,6 +190,6 @@ def pinned_copy(table: np.ndarray, threads: int = 8) -> torch.Tensor:
         cudart = torch.cuda.cudart()
         err = int(cudart.cudaHostRegister(out.ctypes.data, out.nbytes, 1))  # cudaHostRegisterPortable
         if err != 0:
-            raise RuntimeError(f"cudaHostRegister of a {out.nbytes:,}-byte table failed (CUDA error {err})")
+            raise MemoryError(f"cudaHostRegister of a {out.nbytes:,}-byte table failed (CUDA error {err})")
         weakref.finalize(out, cudart.cudaHostUnregister, out.ctypes.data)
     return pinned

@@ -194,6 +194,23 @@ def test_pinned_copy_reads_a_mapped_table_into_ram_registered_at_its_exact_size(
     assert cudart.unregistered == [ptr]
 
 
+def test_a_table_the_driver_will_not_pin_stays_mapped_with_a_warning(mapped_graph, monkeypatch):
+    """A refused registration is a MemoryError from pinned_copy, and the loader then reads the
+    mapped table in place, saying so, instead of failing the run."""
+    from fastopt.runtime import staging
+
+    cudart = FakeCudart()
+    cudart.cudaHostRegister = lambda ptr, size, flags: 2  # cudaErrorMemoryAllocation
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    with pytest.raises(MemoryError, match="96,000-byte table failed"):
+        staging.pinned_copy(mapped_graph.edge_feat)
+    loader = Loader(mapped_graph, None, torch.device("cpu"), config(cache__placement="host"))
+    loader.cuda = True
+    with pytest.warns(RuntimeWarning, match="stays on disk"):
+        table = loader._table(mapped_graph.edge_feat)
+    assert table.data_ptr() == mapped_graph.edge_feat.ctypes.data
+
+
 @pytest.mark.parametrize("host_reads,fraction,ram,pinned", [
     ("auto", 0.5, 10_000_000, True), ("zero_copy", 0.5, 200_000, True), ("auto", 0.5, 100_000, False),
     ("staged", 0.5, 10_000_000, False), ("auto", 0.0, 10_000_000, False)])
