@@ -104,8 +104,8 @@ class CacheConfig:
     # how a GPU gets rows the cache lacks: "zero_copy" (it reads pinned host memory itself; static
     # hot set per split, refreshed each epoch), "staged" (host gathers, then copies) or "auto"
     host_reads: str = "auto"
-    # a memory-mapped table on a GPU is read into pinned RAM (so zero-copy reads can serve it) when
-    # it takes at most this fraction of the available host memory; 0 = always read it in place
+    # a mapped edge table that zero-copy reads would serve is read into pinned RAM when it takes at
+    # most this fraction of the available host memory (else read in place); 0 = never
     pin_ram_fraction: float = 0.5
     # dtype of static features on the wire and in the cache: "float32", "bfloat16" or "float16"
     transfer_dtype: str = "float32"

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional
@@ -161,15 +162,20 @@ class Loader:
         self.cache = None
         if self.placement == "host" and self.cuda and self.dedup and config.cache.budget_fraction > 0 \
                 and graph.edge_feat is not None and graph.edge_feat.shape[1] > 0:
-            from fastopt.runtime.slimcache import CacheTable, SlimCache
+            from fastopt.runtime.slimcache import CacheTable, SlimCache, reads_zero_copy
 
+            feat = graph.edge_feat
+            if isinstance(feat, np.memmap) and str(feat.dtype) == config.cache.transfer_dtype and \
+                    reads_zero_copy("edge", CacheTable(self.edge_table), self.device, config.cache, read_rows):
+                self.edge_table = self._pinned(feat)  # the cache shares it as it is
             # A mapped table left on disk is read in place: the cache gathers misses from the file.
-            mapped = isinstance(graph.edge_feat, np.memmap) and not self.edge_table.is_pinned()
+            mapped = isinstance(feat, np.memmap) and not self.edge_table.is_pinned()
             self.cache = SlimCache({"edge": CacheTable(self.edge_table, mapped=mapped)}, self.device,
                                    config.cache, read_rows=read_rows)
         # the device reads the cache's misses from the pinned table itself (SlimCache.serve)
         self.zero_copy = self.cache is not None and self.cache.zero_copy("edge")
         self.bytes_h2d = 0  # bytes copied host -> device since construction
+        self._bytes_lock = threading.Lock()
         self.high_water = HighWater()  # padded unique lengths: only grow (_padded)
 
     @property
@@ -205,22 +211,23 @@ class Loader:
             table = torch.from_numpy(np.ascontiguousarray(feat))
         if self.placement == "device":
             return table.to(self.device)
-        if not self.cuda:
-            return table
-        if not mapped:
-            return table.pin_memory()
-        # A memory-mapped table is read into pinned RAM when the host has room for it (then the
-        # GPU can read its rows itself); else it stays on disk, and _gather_host (or SlimCache)
-        # reads the rows a batch needs from it into pinned buffers.
-        c = self.config.cache
-        if c.host_reads != "staged" and feat.nbytes <= c.pin_ram_fraction * available_ram():
+        # Pinning copies a table into page-locked RAM: a memory-mapped one stays on disk, and
+        # _gather_host (or SlimCache) reads the rows a batch needs from it into pinned buffers,
+        # unless zero-copy reads will serve it (_pinned).
+        return table.pin_memory() if self.cuda and not mapped else table
+
+    def _pinned(self, feat: np.memmap) -> torch.Tensor:
+        """The mapped ``feat`` read into pinned RAM, for zero-copy reads, when it takes at most
+        ``cache.pin_ram_fraction`` of the available memory; else (or when the RAM or the driver
+        refuses, with a warning) the mapping itself."""
+        limit = self.config.cache.pin_ram_fraction * available_ram()
+        if feat.nbytes <= limit:
             try:
                 return pinned_copy(feat, threads=max(1, min(8, os.cpu_count() or 1)))
             except MemoryError as exc:
-                warnings.warn(f"a {feat.nbytes:,}-byte mapped table stays on disk (its misses gathered from "
-                              f"the file): {exc}; lower cache.pin_ram_fraction to skip the attempt",
-                              RuntimeWarning, stacklevel=2)
-        return table
+                warnings.warn(f"the {feat.nbytes:,}-byte mapped edge table stays on disk, its misses gathered "
+                              f"from the file: {exc}", RuntimeWarning, stacklevel=3)
+        return self._table(feat)
 
     # ------------------------------------------------------------------------ planning
     def plan(self, split: str, epoch: int, mrr_negatives: int = 0) -> Iterator[EventBatch]:
@@ -421,7 +428,9 @@ class Loader:
                     dev = flat.to(self.device, non_blocking=True)
                     moved = [piece.view(t.shape) for piece, t in
                              zip(torch.split(dev, [t.numel() for t in tensors]), tensors)]
-                self.bytes_h2d += sum(t.numel() * t.element_size() for t in tensors)
+                moved_bytes = sum(t.numel() * t.element_size() for t in tensors)
+                with self._bytes_lock:  # staging threads upload concurrently: no update lost
+                    self.bytes_h2d += moved_bytes
                 staged.tensors.update(zip(group.keys(), moved))
             self._read_rows(staged)
             staged.event = torch.cuda.Event()

@@ -18,7 +18,9 @@ read-write state (node memory, its timestamps, the mailbox). SlimCache serves th
 3. **Zero-copy reads** (``config.host_reads``; a static table in pinned host memory on a GPU,
    given the ``read_rows`` kernel): :meth:`SlimCache.serve` reads a batch's rows in one launch,
    cached ones from the slots and the rest from the host table by the GPU itself, with no host
-   gather, staging or per-batch bookkeeping beyond the counters. The slots hold a static hot set.
+   gather, staging or per-batch bookkeeping beyond the counters. The slots hold a static hot set:
+   a plan's sample when the caller plans (the loader does not: a split's first epoch starts with
+   the slots empty), then each split's last epoch's rows (:meth:`SlimCache.begin_epoch`).
 
 Read-write tables are never lost: a write to a resident row marks its slot dirty, a dirty row is
 copied back before its slot is reused and at :meth:`SlimCache.flush`; a write to a row that is not
@@ -76,7 +78,7 @@ from fastopt.runtime.table_cache import (
     check_table,
 )
 
-__all__ = ["SlimCache", "CacheTable", "UniqueRows", "PendingRows", "CacheCounters"]
+__all__ = ["SlimCache", "CacheTable", "UniqueRows", "PendingRows", "CacheCounters", "reads_zero_copy"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Lookups of one table that may be staged ahead of the one being consumed (double buffering).
@@ -129,7 +131,7 @@ class SlimCache:
         for name, spec in tables.items():
             spec = spec if isinstance(spec, CacheTable) else CacheTable(spec)
             check_table(name, spec)
-            zero_copy = _zero_copy(name, spec, self.device, config, read_rows)
+            zero_copy = reads_zero_copy(name, spec, self.device, config, read_rows)
             self._tables[name] = TableCache(name, spec, self.device, transfer, config.gather_threads,
                                             read_rows if zero_copy else None)
             if record:
@@ -224,13 +226,15 @@ class SlimCache:
         A zero-copy table installs the hot set ``split``'s last epoch used."""
         with self._lock:
             self._seal(None)
+            for table in self._tables.values():  # refused before anything changes
+                if table.pending and (table.policy_name == "static" or table.index is not None):
+                    raise CacheError(f"table {table.name!r} has {len(table.pending)} staged lookups, whose "
+                                     f"slots a new epoch would reuse; finish them (or drain()) before "
+                                     f"starting an epoch")
             for table in self._tables.values():
                 if table.policy_name == "static":
                     table.begin_split(split, self._transfer)
                 if table.index is not None:
-                    if table.pending:
-                        raise CacheError(f"table {table.name!r} has {len(table.pending)} staged "
-                                         f"lookups; finish them before starting an epoch")
                     table.index.reset()
                     table.directory.forget_future()
 
@@ -436,7 +440,7 @@ class SlimCache:
             t.gatherer.close()
 
 
-def _zero_copy(name: str, spec: CacheTable, device: torch.device, config: CacheConfig,
+def reads_zero_copy(name: str, spec: CacheTable, device: torch.device, config: CacheConfig,
                read_rows: Optional[Callable]) -> bool:
     """Whether table ``name`` is read zero-copy (``config.host_reads``); CacheError when asked for
     and impossible. ``auto``: on a GPU, given the kernel, for a static table in RAM under the

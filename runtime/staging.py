@@ -15,6 +15,8 @@ Layering: imports nothing of fastopt but the copy stream (:mod:`fastopt.runtime.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import time
 import weakref
@@ -170,26 +172,58 @@ def available_ram() -> int:
 
 def pinned_copy(table: np.ndarray, threads: int = 8) -> torch.Tensor:
     """``table`` (a memory-mapped file, say) read into page-locked host memory of exactly its
-    size: a GPU then reads its rows itself (zero-copy). The rows are copied by ``threads``
-    threads, then the buffer is registered with the CUDA driver (``cudaHostRegister``; torch's
-    pinned allocator would round a large table up to a power of two) and unregistered when the
-    returned tensor's memory is freed.
+    size: a GPU then reads its rows itself (zero-copy). The memory is an anonymous mapping of
+    its own (page-aligned: no page shared with another registered table), the rows are copied
+    into it by ``threads`` threads, then it is registered with the CUDA driver
+    (``cudaHostRegister``; torch's pinned allocator would round a large table up to a power of
+    two) and unregistered when the returned tensor's memory is freed.
 
     Raises:
-        MemoryError: the RAM or the driver refused the copy or its registration.
+        MemoryError: the RAM or the driver refused the memory or its registration (the CUDA
+            runtime's last error is cleared, so later launches do not report it).
     """
-    out = np.empty(table.shape, dtype=table.dtype)
-    if table.shape[0]:
-        def copy(lo: int) -> None:
-            out[lo:lo + _COPY_ROWS] = table[lo:lo + _COPY_ROWS]
+    nbytes = int(np.prod(table.shape, dtype=np.int64)) * table.dtype.itemsize
+    if nbytes == 0:
+        return torch.from_numpy(np.empty(table.shape, dtype=table.dtype))
+    try:
+        buffer = mmap.mmap(-1, nbytes)
+    except OSError as exc:
+        raise MemoryError(f"no {nbytes:,} bytes of RAM for a pinned copy of the table ({exc}); lower "
+                          f"cache.pin_ram_fraction to read it from its file") from None
+    out = np.frombuffer(buffer, dtype=table.dtype).reshape(table.shape)
 
-        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="fastopt-pin") as pool:
-            list(pool.map(copy, range(0, table.shape[0], _COPY_ROWS)))
-    pinned = torch.from_numpy(out)
-    if out.nbytes:
-        cudart = torch.cuda.cudart()
-        err = int(cudart.cudaHostRegister(out.ctypes.data, out.nbytes, 1))  # cudaHostRegisterPortable
-        if err != 0:
-            raise MemoryError(f"cudaHostRegister of a {out.nbytes:,}-byte table failed (CUDA error {err})")
-        weakref.finalize(out, cudart.cudaHostUnregister, out.ctypes.data)
-    return pinned
+    def copy(lo: int) -> None:
+        out[lo:lo + _COPY_ROWS] = table[lo:lo + _COPY_ROWS]
+
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="fastopt-pin") as pool:
+        list(pool.map(copy, range(0, table.shape[0], _COPY_ROWS)))
+    cudart = torch.cuda.cudart()
+    err = int(cudart.cudaHostRegister(out.ctypes.data, nbytes, 1))  # cudaHostRegisterPortable
+    if err != 0:
+        _clear_last_cuda_error()
+        raise MemoryError(f"the CUDA driver would not pin a {nbytes:,}-byte table ({_cuda_error_name(cudart, err)}); "
+                          f"lower cache.pin_ram_fraction to read it from its file")
+    weakref.finalize(out, cudart.cudaHostUnregister, out.ctypes.data)
+    return torch.from_numpy(out)
+
+
+def _cuda_error_name(cudart, err: int) -> str:
+    try:
+        return f"CUDA error {err}: {cudart.cudaGetErrorString(cudart.cudaError(err))}"
+    except (TypeError, ValueError, AttributeError):  # a code the bindings' enum does not list
+        return f"CUDA error {err}"
+
+
+def _clear_last_cuda_error() -> None:
+    """Reset the CUDA runtime's last error (torch's bindings do not expose cudaGetLastError):
+    a failed call sets it, and torch's next launch check would report it as its own."""
+    try:
+        with open("/proc/self/maps") as f:
+            libraries = {line.split()[-1] for line in f if "libcudart" in line.split()[-1]}
+    except OSError:
+        return
+    for path in sorted(libraries):
+        try:
+            ctypes.CDLL(path).cudaGetLastError()
+        except OSError:
+            continue

@@ -1,5 +1,6 @@
 """The loader: same batches and features on every path, unique nodes, clean stops, dense user models."""
 
+import mmap
 import random
 import threading
 import time
@@ -188,6 +189,7 @@ def test_pinned_copy_reads_a_mapped_table_into_ram_registered_at_its_exact_size(
     assert torch.equal(table, torch.from_numpy(np.asarray(feat)))
     assert table.data_ptr() != feat.ctypes.data and table.is_contiguous()
     ptr = table.data_ptr()
+    assert ptr % mmap.PAGESIZE == 0  # pages of its own: no registration overlaps another's
     assert cudart.registered == [(ptr, feat.nbytes)] and cudart.unregistered == []
     del table
     gc.collect()
@@ -195,30 +197,27 @@ def test_pinned_copy_reads_a_mapped_table_into_ram_registered_at_its_exact_size(
 
 
 def test_a_table_the_driver_will_not_pin_stays_mapped_with_a_warning(mapped_graph, monkeypatch):
-    """A refused registration is a MemoryError from pinned_copy, and the loader then reads the
-    mapped table in place, saying so, instead of failing the run."""
+    """A refused registration is a MemoryError from pinned_copy naming the size and the fix, and
+    the loader then reads the mapped table in place, saying so, instead of failing the run."""
     from fastopt.runtime import staging
 
     cudart = FakeCudart()
     cudart.cudaHostRegister = lambda ptr, size, flags: 2  # cudaErrorMemoryAllocation
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    with pytest.raises(MemoryError, match="96,000-byte table failed"):
+    with pytest.raises(MemoryError, match=r"would not pin a 96,000-byte table \(CUDA error 2\).*pin_ram_fraction"):
         staging.pinned_copy(mapped_graph.edge_feat)
     loader = Loader(mapped_graph, None, torch.device("cpu"), config(cache__placement="host"))
     loader.cuda = True
     with pytest.warns(RuntimeWarning, match="stays on disk"):
-        table = loader._table(mapped_graph.edge_feat)
-    assert table.data_ptr() == mapped_graph.edge_feat.ctypes.data
+        table = loader._pinned(mapped_graph.edge_feat)
+    assert table.data_ptr() == mapped_graph.edge_feat.ctypes.data and cudart.registered == []
 
 
-@pytest.mark.parametrize("host_reads,fraction,ram,pinned", [
-    ("auto", 0.5, 10_000_000, True), ("zero_copy", 0.5, 200_000, True), ("auto", 0.5, 100_000, False),
-    ("staged", 0.5, 10_000_000, False), ("auto", 0.0, 10_000_000, False)])
-def test_a_mapped_host_table_on_a_gpu_is_pinned_when_the_ram_has_room(mapped_graph, monkeypatch, host_reads,
-                                                                      fraction, ram, pinned):
-    """Host placement on a GPU reads a mapped table (96,000 bytes here) into pinned RAM when it
-    takes at most ``cache.pin_ram_fraction`` of the available memory and reads are not
-    ``staged``; otherwise the mapping itself is the table."""
+@pytest.mark.parametrize("fraction,ram,pinned", [(0.5, 10_000_000, True), (0.5, 200_000, True),
+                                                  (0.5, 100_000, False), (0.0, 10_000_000, False)])
+def test_a_mapped_table_is_pinned_when_the_ram_has_room(mapped_graph, monkeypatch, fraction, ram, pinned):
+    """A mapped table (96,000 bytes here) is read into pinned RAM when it takes at most
+    ``cache.pin_ram_fraction`` of the available memory; otherwise the mapping is the table."""
     from fastopt.runtime import loader as loader_module
 
     calls = []
@@ -226,12 +225,30 @@ def test_a_mapped_host_table_on_a_gpu_is_pinned_when_the_ram_has_room(mapped_gra
     monkeypatch.setattr(loader_module, "pinned_copy",
                         lambda feat, threads: calls.append(feat) or torch.from_numpy(np.array(feat)))
     loader = Loader(mapped_graph, None, torch.device("cpu"),
-                    config(cache__placement="host", cache__host_reads=host_reads, cache__pin_ram_fraction=fraction))
-    loader.cuda = True  # what _table decides on a GPU
-    table = loader._table(mapped_graph.edge_feat)
+                    config(cache__placement="host", cache__pin_ram_fraction=fraction))
+    loader.cuda = True
+    table = loader._pinned(mapped_graph.edge_feat)
     assert torch.equal(table, torch.from_numpy(np.asarray(mapped_graph.edge_feat)))
     assert (len(calls) == 1) == pinned
     assert (table.data_ptr() == mapped_graph.edge_feat.ctypes.data) == (not pinned)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("sets,pinned", [({}, True), ({"cache__host_reads": "staged"}, False),
+                                         ({"cache__policy": "future"}, False),
+                                         ({"cache__transfer_dtype": "bfloat16"}, False)])
+def test_a_mapped_edge_table_is_pinned_only_for_zero_copy_reads(mapped_graph, sets, pinned):
+    """On a GPU the mapped edge table is pinned only when zero-copy reads will serve it as it is:
+    not for staged reads, a per-batch policy or another transfer dtype (the cache would keep a
+    converted copy beside it); the node table, read per batch, stays mapped."""
+    from fastopt.codegen import cached_rows
+
+    cfg = config(cache__placement="host", cache__budget_fraction=0.2, train__device="cuda", **sets)
+    loader = Loader(mapped_graph, NumpySampler(mapped_graph, [3, 2], "uniform", seed=5), torch.device("cuda"),
+                    cfg, read_rows=cached_rows)
+    assert loader.edge_table.is_pinned() == pinned == loader.zero_copy
+    assert loader.node_table.data_ptr() == mapped_graph.node_feat.ctypes.data
 
 
 @pytest.mark.gpu

@@ -572,6 +572,25 @@ def static_cache(edge, budget: float, stream, reads: str, split: str = "train") 
     return cache
 
 
+def test_a_new_epoch_is_refused_while_a_staged_static_lookup_is_pending():
+    """A new epoch's hot set reuses slots a staged lookup still reads: begin_epoch refuses,
+    naming the table and the fix, before changing anything; after finish() it goes ahead."""
+    edge, _ = make_tables()
+    stream = [b["edge"] for b in make_stream()]
+    cache = static_cache(edge, 0.25, [{"edge": s} for s in stream], "staged")
+    cache.begin_epoch("val")
+    for ids in stream[:3]:
+        cache.lookup("edge", unique=Unique.of(ids))
+    pending = cache.stage("edge", unique=Unique.of(stream[3]))
+    slot_map = cache.slot_map("edge").clone()
+    with pytest.raises(CacheError, match=r"table 'edge' has 1 staged lookups.*finish them \(or drain\(\)\)"):
+        cache.begin_epoch("train")
+    assert torch.equal(cache.slot_map("edge"), slot_map)  # nothing changed
+    rows = cache.finish(pending).expand()
+    assert torch.equal(rows, gather(edge, stream[3]))
+    cache.begin_epoch("train")
+
+
 @pytest.mark.parametrize("reads", ["zero_copy", "staged"])
 @pytest.mark.parametrize("budget", list(BUDGETS))
 def test_a_static_hot_set_serves_the_table_and_is_refreshed_per_split(budget, reads):
