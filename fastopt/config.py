@@ -42,26 +42,10 @@ if "torch" not in sys.modules:
 else:
     OPENMP_WAIT_POLICY = None
 
-__all__ = [
-    "DataConfig",
-    "SamplerConfig",
-    "CacheConfig",
-    "KernelsConfig",
-    "PassesConfig",
-    "PipelineConfig",
-    "ModelConfig",
-    "TrainConfig",
-    "TunerConfig",
-    "Config",
-    "ConfigWarning",
-    "OP_OVERRIDE_FIELDS",
-    "OTHER_VARIABLES",
-    "default_config",
-    "format_op_overrides",
-    "parse_op_overrides",
-    "patch",
-    "resolve_config",
-]
+__all__ = ["DataConfig", "SamplerConfig", "CacheConfig", "KernelsConfig", "PassesConfig", "PipelineConfig",
+           "ModelConfig", "TrainConfig", "TunerConfig", "Config", "ConfigWarning", "OP_OVERRIDE_FIELDS",
+           "OTHER_VARIABLES", "default_config", "format_op_overrides", "parse_op_overrides", "patch",
+           "resolve_config"]
 
 
 @dataclass
@@ -204,9 +188,12 @@ class PipelineConfig:
     prefetch_depth: int = 2
     # sample and stage batches on a background thread (the compiled sampler runs without the GIL)
     async_sampling: bool = True
-    # threads staging batches ahead in turn (at most prefetch_depth; 1 with the SlimCache): one
-    # batch's packing and copies overlap the next one's sampling; 0 = 2 on CUDA, 1 on the CPU
+    # threads staging batches ahead in turn (at most prefetch_depth; 1 with SlimCache's staged
+    # lookups): one batch's packing and copies overlap the next one's sampling; 0 = 2 on CUDA, 1 on the CPU
     stage_threads: int = 0
+    # the interpreter's thread switch interval during an epoch, in microseconds: how long the training
+    # thread may wait for the GIL while staging threads run Python; 0 = Python's own (5,000)
+    gil_switch_us: int = 0
     # whole training steps (forward, loss, backward, Adam, write-back) replayed from CUDA graphs,
     # one per batch shape: "auto" (for a model fastopt.optimize returned, on CUDA), "on", "off"
     step_graphs: str = "auto"
@@ -443,7 +430,8 @@ class Config:
                self.passes.cuda_graphs, "one of 'auto', 'on', 'off'")
         _check(self.passes.max_graphs >= 1, "passes.max_graphs", self.passes.max_graphs,
                ">= 1 (use passes.cuda_graphs='off' to capture none)")
-        _check(self.pipeline.prefetch_depth >= 0, "pipeline.prefetch_depth", self.pipeline.prefetch_depth, ">= 0")
+        for knob in ("prefetch_depth", "gil_switch_us"):
+            _check(getattr(self.pipeline, knob) >= 0, f"pipeline.{knob}", getattr(self.pipeline, knob), ">= 0")
         _check(self.pipeline.stage_threads >= 0, "pipeline.stage_threads", self.pipeline.stage_threads,
                ">= 0 (0 = 2 on CUDA, 1 on the CPU)")
         for knob, low in (("epochs", 1), ("batch_size", 1), ("mrr_negatives", 0), ("edge_dim", 0), ("node_dim", 0)):

@@ -12,6 +12,7 @@ Layering: imports nothing of fastopt but :mod:`fastopt.errors` and :mod:`fastopt
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from typing import TYPE_CHECKING, Iterator, List, Optional
 
@@ -135,11 +136,16 @@ class EpochStream:
                                              for _ in range(self.workers)]
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []
+        self._switch: Optional[float] = None  # the switch interval to restore (pipeline.gil_switch_us)
         self._turn = threading.Condition()  # batches sample (and reserve) in order: _in_turn
         self._next = 0  # the batch whose turn it is
 
     def __enter__(self) -> "EpochStream":
         if self.depth > 0:
+            switch_us = self.loader.config.pipeline.gil_switch_us
+            if switch_us:  # the training thread takes the GIL back sooner from the staging threads
+                self._switch = sys.getswitchinterval()
+                sys.setswitchinterval(switch_us / 1e6)
             self._plan = list(self._batches)
             self._count = len(self._plan)
             if self._room is not None:
@@ -166,6 +172,9 @@ class EpochStream:
                     pass
                 thread.join(timeout=_POLL)
         self._threads = []
+        if self._switch is not None:
+            sys.setswitchinterval(self._switch)
+            self._switch = None
         if self.loader.cache is not None:  # batches staged but never consumed
             self.loader.cache.drain()
 

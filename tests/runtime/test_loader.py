@@ -273,6 +273,26 @@ def test_a_mapped_table_read_into_pinned_ram_is_served_zero_copy_on_cuda(mapped_
         assert all(torch.equal(x, y) for x, y in zip(h, d, strict=True))
 
 
+def test_an_epoch_shortens_the_gil_switch_interval_while_it_runs_and_restores_it(small_graph):
+    """pipeline.gil_switch_us holds while the staging threads run (the training thread takes
+    the GIL back sooner) and the interpreter's own interval returns when the epoch ends, by
+    an exception too; 0 leaves it alone."""
+    import sys
+
+    before = sys.getswitchinterval()
+    for us, want in ((500, 0.0005), (0, before)):
+        loader = Loader(small_graph, NumpySampler(small_graph, [3, 2], "uniform", seed=5), torch.device("cpu"),
+                        config(pipeline__gil_switch_us=us))
+        seen = []
+        with pytest.raises(RuntimeError, match="stop"):
+            with loader.epoch("train", 0) as batches:
+                for _ in batches:
+                    seen.append(sys.getswitchinterval())
+                    if len(seen) == 3:
+                        raise RuntimeError("stop")
+        assert seen == [pytest.approx(want)] * 3 and sys.getswitchinterval() == before
+
+
 def test_dense_inputs_give_a_model_that_reads_edge_rows_the_same_output(small_graph):
     """GraphInputs built per slot (no edge rows) run an edge-row model through its per-slot rows."""
     cfg = config()

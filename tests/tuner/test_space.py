@@ -81,7 +81,7 @@ def test_cuda_space_adds_placement_graphs_and_kernels(small_graph):
 def test_knobs_under_other_knobs_are_suggested_only_when_they_matter(small_graph, two_cores):
     space = space_for("tgn", small_graph, device="cuda")
     base = {"pipeline.prefetch_depth": 2, "sampler.threads": 0, "pipeline.stage_threads": 0,
-            "cache.placement": "device", "passes.cuda_graphs": "auto", "pipeline.step_graphs": "auto",
+            "pipeline.gil_switch_us": 0, "cache.placement": "device", "passes.cuda_graphs": "auto", "pipeline.step_graphs": "auto",
             "sampler.reorder": "none", "sampler.pin_threads": False}
     base.update({k.name: k.choices[0] for k in space.knobs if k.name.startswith("kernels.")})
     on_device = space.suggest(optuna.trial.FixedTrial(base))
@@ -97,7 +97,9 @@ def test_knobs_under_other_knobs_are_suggested_only_when_they_matter(small_graph
                                                       "cache.budget_fraction": 0.0}))
     assert "cache.policy" not in no_cache and "cache.host_reads" not in no_cache
     shallow = space.suggest(optuna.trial.FixedTrial({**base, "pipeline.prefetch_depth": 1}))
-    assert "pipeline.stage_threads" not in shallow
+    assert "pipeline.stage_threads" not in shallow and shallow["pipeline.gil_switch_us"] == 0
+    in_loop = space.suggest(optuna.trial.FixedTrial({**base, "pipeline.prefetch_depth": 0}))
+    assert "pipeline.gil_switch_us" not in in_loop  # no staging threads to take the GIL from
 
 
 def test_the_baseline_is_the_config_and_comes_first(small_graph):
