@@ -21,7 +21,7 @@ import os
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -191,9 +191,12 @@ def pinned_copy(table: np.ndarray, threads: int = 8) -> torch.Tensor:
         raise MemoryError(f"no {nbytes:,} bytes of RAM for a pinned copy of the table ({exc}); lower "
                           f"cache.pin_ram_fraction to read it from its file") from None
     out = np.frombuffer(buffer, dtype=table.dtype).reshape(table.shape)
+    release = _page_release(table)
 
     def copy(lo: int) -> None:
         out[lo:lo + _COPY_ROWS] = table[lo:lo + _COPY_ROWS]
+        if release is not None:
+            release(lo, min(lo + _COPY_ROWS, table.shape[0]))
 
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="fastopt-pin") as pool:
         list(pool.map(copy, range(0, table.shape[0], _COPY_ROWS)))
@@ -205,6 +208,30 @@ def pinned_copy(table: np.ndarray, threads: int = 8) -> torch.Tensor:
                           f"lower cache.pin_ram_fraction to read it from its file")
     weakref.finalize(out, cudart.cudaHostUnregister, out.ctypes.data)
     return torch.from_numpy(out)
+
+
+def _page_release(table: np.ndarray) -> Optional[Callable[[int, int], None]]:
+    """For a read-only mapping of a file (``np.load(mmap_mode="r")``): a function that drops the
+    pages of rows ``[lo, hi)`` from the process once copied (``MADV_DONTNEED``: they stay in
+    the page cache, and a later read maps them again), so that copying the whole file does not
+    count it twice in the resident set. None for any other table."""
+    mm = getattr(table, "_mmap", None)
+    if mm is None or getattr(table, "mode", None) != "r" or not table.flags.c_contiguous \
+            or not hasattr(mmap, "MADV_DONTNEED"):
+        return None
+    start = table.ctypes.data - np.frombuffer(mm, dtype=np.uint8).ctypes.data
+    row, page = table.strides[0], mmap.PAGESIZE
+
+    def release(lo: int, hi: int) -> None:
+        first, end = start + lo * row, start + hi * row
+        first -= first % page  # whole pages: a neighbor's rows read again from the page cache
+        end = min(end + (-end) % page, len(mm))
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, first, end - first)
+        except (OSError, ValueError):
+            pass  # only the resident set is at stake
+
+    return release
 
 
 def _cuda_error_name(cudart, err: int) -> str:

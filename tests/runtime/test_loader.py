@@ -2,6 +2,7 @@
 
 import mmap
 import random
+from pathlib import Path
 import threading
 import time
 
@@ -194,6 +195,31 @@ def test_pinned_copy_reads_a_mapped_table_into_ram_registered_at_its_exact_size(
     del table
     gc.collect()
     assert cudart.unregistered == [ptr]
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set from /proc")
+def test_pinned_copy_of_a_mapped_file_holds_it_once_in_the_resident_set(tmp_path, monkeypatch):
+    """Copying a 64 MiB mapped table into RAM leaves about one table resident, not two: each part
+    of the mapping is dropped from the process once copied (the file stays in the page cache),
+    and the copy equals the file."""
+    from fastopt.runtime import staging
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    rows = np.random.default_rng(0).standard_normal((1 << 16, 256), dtype=np.float32)
+    np.save(tmp_path / "t.npy", rows)
+    feat = np.load(tmp_path / "t.npy", mmap_mode="r")
+    assert isinstance(feat, np.memmap) and feat.nbytes == 64 << 20
+    before = resident_bytes()
+    table = staging.pinned_copy(feat, threads=2)
+    grown = resident_bytes() - before
+    assert torch.equal(table, torch.from_numpy(rows))
+    assert feat.nbytes * 0.9 < grown < feat.nbytes * 1.3, grown  # the copy, without the mapping
+    del table
 
 
 def test_a_table_the_driver_will_not_pin_stays_mapped_with_a_warning(mapped_graph, monkeypatch):
