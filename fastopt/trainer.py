@@ -212,12 +212,12 @@ class Trainer:
                              edge_rows=getattr(model, "reads_edge_rows", False),
                              read_rows=_zero_copy_reads(self.device))
         self.negatives = self.loader.negatives
+        self._say(f"features: {self.loader.describe()}")
         self._shape_plan = self._load_shape_plan(graph) if self.device.type == "cuda" \
             and self.config.pipeline.shape_plans else None
         self.log_path = Path(log_path) if log_path else None
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
-        self.epoch = 0
-        self.history: list = []
+        self.epoch, self.history = 0, []
         self.test_metrics: dict = {}
         self.test_seconds = 0.0
         self._best_state: Optional[dict] = None  # weights and state of the best epoch (restore_best)

@@ -178,6 +178,24 @@ class Loader:
         self._bytes_lock = threading.Lock()
         self.high_water = HighWater()  # padded unique lengths: only grow (_padded)
 
+    def describe(self) -> str:
+        """Where the static features are and how a batch gets them, in one line."""
+        parts = []
+        for name, feat, table in (("edge", self.graph.edge_feat, self.edge_table),
+                                  ("node", self.graph.node_feat, self.node_table)):
+            if table is not None:
+                where = (f"on {self.device}" if self.placement == "device" else "in pinned host memory"
+                         if table.is_pinned() else "read from its file" if isinstance(feat, np.memmap)
+                         else "in host memory")
+                parts.append(f"{name} {feat.nbytes / 1e9:.2f} GB {where}")
+        line = ", ".join(parts) or "none"
+        if self.cache is not None:
+            c = self.config.cache
+            line += (f"; a device cache of {c.budget_fraction:.0%} of the edge bytes, " +
+                     ("the GPU reading the rest itself (a hot set per split)" if self.zero_copy
+                      else f"the rest staged through pinned buffers ({c.policy} policy)"))
+        return line
+
     @property
     def keyed(self) -> bool:
         """Whether the sampler's draws are fixed by a batch key (``sample(..., batch=)``): then

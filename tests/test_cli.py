@@ -23,6 +23,7 @@ def test_train_end_to_end(learnable_graph, one_thread, tmp_path, capsys):
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["model"] == "tgn" and summary["test"]["ap"] > 0.8 and summary["test"]["mrr"] > 0.75
     assert "epoch   2" in out and log.exists()
+    assert "\nfeatures: node 0.00 GB on cpu\n" in out  # its node features; no edge features
 
 
 @pytest.mark.parametrize("argv,fragment", [

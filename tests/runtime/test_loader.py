@@ -319,6 +319,24 @@ def test_an_epoch_shortens_the_gil_switch_interval_while_it_runs_and_restores_it
         assert seen == [pytest.approx(want)] * 3 and sys.getswitchinterval() == before
 
 
+def test_the_loader_says_where_the_features_are_and_how_batches_get_them(small_graph, mapped_graph):
+    """describe(): each table's size and place (device, pinned or plain host memory, the mapped
+    file), then the cache and how it reads what it lacks."""
+    from fastopt.runtime import CacheTable, SlimCache
+
+    assert Loader(small_graph, None, torch.device("cpu"), config()).describe() == \
+        "edge 0.00 GB on cpu, node 0.00 GB on cpu"
+    assert Loader(mapped_graph, None, torch.device("cpu"), config(cache__placement="host")).describe() == \
+        "edge 0.00 GB read from its file, node 0.00 GB read from its file"
+    for zero_copy, tail in ((True, "the GPU reading the rest itself (a hot set per split)"),
+                            (False, "the rest staged through pinned buffers (auto policy)")):
+        loader = Loader(small_graph, None, torch.device("cpu"), config(cache__placement="host"))
+        loader.cache = SlimCache({"edge": CacheTable(loader.edge_table)}, "cpu", loader.config.cache)
+        loader.zero_copy = zero_copy
+        assert loader.describe() == ("edge 0.00 GB in host memory, node 0.00 GB in host memory; "
+                                     f"a device cache of 10% of the edge bytes, {tail}")
+
+
 def test_dense_inputs_give_a_model_that_reads_edge_rows_the_same_output(small_graph):
     """GraphInputs built per slot (no edge rows) run an edge-row model through its per-slot rows."""
     cfg = config()
