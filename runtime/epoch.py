@@ -40,6 +40,32 @@ def stage_workers(stage_threads: int, depth: int, cuda: bool) -> int:
     return max(1, min(stage_threads or (2 if cuda else 1), depth))
 
 
+class _SwitchInterval:
+    """The interpreter's thread switch interval while epochs that asked for a shorter one
+    (``pipeline.gil_switch_us``) run: the shortest asked for, and the interval from before the
+    first of them once the last one ends, in whatever order overlapping epochs end."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._asked: dict = {}  # id(stream) -> seconds
+        self._before = 0.0
+
+    def request(self, stream: object, seconds: float) -> None:
+        with self._lock:
+            if not self._asked:
+                self._before = sys.getswitchinterval()
+            self._asked[id(stream)] = seconds
+            sys.setswitchinterval(min(self._asked.values()))
+
+    def release(self, stream: object) -> None:
+        with self._lock:
+            if self._asked.pop(id(stream), None) is not None:
+                sys.setswitchinterval(min(self._asked.values()) if self._asked else self._before)
+
+
+_SWITCH = _SwitchInterval()
+
+
 class _Failure:
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
@@ -136,25 +162,27 @@ class EpochStream:
                                              for _ in range(self.workers)]
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []
-        self._switch: Optional[float] = None  # the switch interval to restore (pipeline.gil_switch_us)
         self._turn = threading.Condition()  # batches sample (and reserve) in order: _in_turn
         self._next = 0  # the batch whose turn it is
 
     def __enter__(self) -> "EpochStream":
         if self.depth > 0:
-            switch_us = self.loader.config.pipeline.gil_switch_us
-            if switch_us:  # the training thread takes the GIL back sooner from the staging threads
-                self._switch = sys.getswitchinterval()
-                sys.setswitchinterval(switch_us / 1e6)
-            self._plan = list(self._batches)
-            self._count = len(self._plan)
-            if self._room is not None:
-                self._planner = _CachePlanner(self.loader, self._plan, self._lookahead)
-            for w in range(self.workers):
-                thread = threading.Thread(target=self._produce, args=(w, self._queues[w]),
-                                          name=f"fastopt-loader-{w}", daemon=True)
-                thread.start()
-                self._threads.append(thread)
+            try:
+                self._plan = list(self._batches)
+                self._count = len(self._plan)
+                if self._room is not None:
+                    self._planner = _CachePlanner(self.loader, self._plan, self._lookahead)
+                for w in range(self.workers):
+                    thread = threading.Thread(target=self._produce, args=(w, self._queues[w]),
+                                              name=f"fastopt-loader-{w}", daemon=True)
+                    thread.start()
+                    self._threads.append(thread)
+                switch_us = self.loader.config.pipeline.gil_switch_us
+                if switch_us:  # the training thread takes the GIL back sooner from the staging threads
+                    _SWITCH.request(self, switch_us / 1e6)
+            except BaseException:  # no `with` block runs __exit__ then: stop what started
+                self.close()
+                raise
         return self
 
     def __exit__(self, *exc) -> bool:
@@ -172,9 +200,7 @@ class EpochStream:
                     pass
                 thread.join(timeout=_POLL)
         self._threads = []
-        if self._switch is not None:
-            sys.setswitchinterval(self._switch)
-            self._switch = None
+        _SWITCH.release(self)
         if self.loader.cache is not None:  # batches staged but never consumed
             self.loader.cache.drain()
 

@@ -38,15 +38,14 @@ An exception in a background thread is raised in the consuming thread at the bat
 happened; leaving the ``with`` block (normally, by an exception or Ctrl-C) stops the threads and
 waits for them.
 
-Layering: imports nothing of fastopt but :mod:`fastopt.config` and other runtime modules. The
-graph is duck-typed (``src``, ``dst``, ``ts``, ``edge_feat``, ``node_feat``, ``num_nodes``,
-``split_range``, ``destination_pool``).
+Layering: imports nothing of fastopt but :mod:`fastopt.config`, :mod:`fastopt.errors` and other
+runtime modules. The graph is duck-typed (``src``, ``dst``, ``ts``, ``edge_feat``, ``node_feat``,
+``num_nodes``, ``split_range``, ``destination_pool``).
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -56,10 +55,11 @@ import numpy as np
 import torch
 
 from fastopt.config import Config
+from fastopt.errors import CacheError
 from fastopt.runtime.blocks import SampledBatch, Unique
 from fastopt.runtime.epoch import EpochStream
 from fastopt.runtime.inputs import GraphInputs, HighWater
-from fastopt.runtime.staging import available_ram, pinned_copy
+from fastopt.runtime.staging import pin_if_room
 from fastopt.runtime.streams import copy_stream
 from fastopt.runtime.timing import StageTimer
 
@@ -164,10 +164,18 @@ class Loader:
                 and graph.edge_feat is not None and graph.edge_feat.shape[1] > 0:
             from fastopt.runtime.slimcache import CacheTable, SlimCache, reads_zero_copy
 
-            feat = graph.edge_feat
-            if isinstance(feat, np.memmap) and str(feat.dtype) == config.cache.transfer_dtype and \
-                    reads_zero_copy("edge", CacheTable(self.edge_table), self.device, config.cache, read_rows):
-                self.edge_table = self._pinned(feat)  # the cache shares it as it is
+            feat, c = graph.edge_feat, config.cache
+            if isinstance(feat, np.memmap) and reads_zero_copy("edge", CacheTable(self.edge_table), self.device,
+                                                               c, read_rows):
+                why = (f"its dtype {feat.dtype} is not cache.transfer_dtype {c.transfer_dtype!r}"
+                       if str(feat.dtype) != c.transfer_dtype else "")
+                if not why:  # the cache shares the pinned table as it is
+                    pinned, why = pin_if_room(feat, c.pin_ram_fraction)
+                    self.edge_table = self.edge_table if pinned is None else pinned
+                if why and c.host_reads == "zero_copy":
+                    raise CacheError(f"cache.host_reads='zero_copy' needs the {feat.nbytes:,}-byte mapped edge "
+                                     f"table in pinned RAM, but {why}; raise cache.pin_ram_fraction or free "
+                                     f"memory, match the dtypes, or use host_reads 'auto' or 'staged'")
             # A mapped table left on disk is read in place: the cache gathers misses from the file.
             mapped = isinstance(feat, np.memmap) and not self.edge_table.is_pinned()
             self.cache = SlimCache({"edge": CacheTable(self.edge_table, mapped=mapped)}, self.device,
@@ -233,19 +241,6 @@ class Loader:
         # _gather_host (or SlimCache) reads the rows a batch needs from it into pinned buffers,
         # unless zero-copy reads will serve it (_pinned).
         return table.pin_memory() if self.cuda and not mapped else table
-
-    def _pinned(self, feat: np.memmap) -> torch.Tensor:
-        """The mapped ``feat`` read into pinned RAM, for zero-copy reads, when it takes at most
-        ``cache.pin_ram_fraction`` of the available memory; else (or when the RAM or the driver
-        refuses, with a warning) the mapping itself."""
-        limit = self.config.cache.pin_ram_fraction * available_ram()
-        if feat.nbytes <= limit:
-            try:
-                return pinned_copy(feat, threads=max(1, min(8, os.cpu_count() or 1)))
-            except MemoryError as exc:
-                warnings.warn(f"the {feat.nbytes:,}-byte mapped edge table stays on disk, its misses gathered "
-                              f"from the file: {exc}", RuntimeWarning, stacklevel=3)
-        return self._table(feat)
 
     # ------------------------------------------------------------------------ planning
     def plan(self, split: str, epoch: int, mrr_negatives: int = 0) -> Iterator[EventBatch]:

@@ -19,6 +19,7 @@ import ctypes
 import mmap
 import os
 import time
+import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -28,7 +29,7 @@ import torch
 
 from fastopt.runtime.streams import copy_stream
 
-__all__ = ["HostGatherer", "StagingBuffers", "TransferStream", "available_ram", "pinned_copy"]
+__all__ = ["HostGatherer", "StagingBuffers", "TransferStream", "available_ram", "pin_if_room", "pinned_copy"]
 
 # Below this many rows per thread, handing work to the pool costs more than it saves.
 _MIN_ROWS_PER_THREAD = 2048
@@ -186,10 +187,10 @@ def pinned_copy(table: np.ndarray, threads: int = 8) -> torch.Tensor:
     if nbytes == 0:
         return torch.from_numpy(np.empty(table.shape, dtype=table.dtype))
     try:
-        buffer = mmap.mmap(-1, nbytes)
+        buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError as exc:
-        raise MemoryError(f"no {nbytes:,} bytes of RAM for a pinned copy of the table ({exc}); lower "
-                          f"cache.pin_ram_fraction to read it from its file") from None
+        raise MemoryError(f"no {nbytes:,} bytes of RAM for a pinned copy of the table ({exc}); set "
+                          f"cache.pin_ram_fraction to 0 to read it from its file without trying") from None
     out = np.frombuffer(buffer, dtype=table.dtype).reshape(table.shape)
     release = _page_release(table)
 
@@ -205,9 +206,34 @@ def pinned_copy(table: np.ndarray, threads: int = 8) -> torch.Tensor:
     if err != 0:
         _clear_last_cuda_error()
         raise MemoryError(f"the CUDA driver would not pin a {nbytes:,}-byte table ({_cuda_error_name(cudart, err)}); "
-                          f"lower cache.pin_ram_fraction to read it from its file")
-    weakref.finalize(out, cudart.cudaHostUnregister, out.ctypes.data)
+                          f"set cache.pin_ram_fraction to 0 to read it from its file without trying")
+    weakref.finalize(out, _unpin, cudart, out.ctypes.data)
     return torch.from_numpy(out)
+
+
+def pin_if_room(table: np.ndarray, fraction: float) -> Tuple[Optional[torch.Tensor], str]:
+    """``table`` read into pinned RAM (:func:`pinned_copy`) when it takes at most ``fraction`` of
+    the available memory: ``(the copy, "")``, else ``(None, why not)``, with a RuntimeWarning
+    when the RAM or the driver refused."""
+    available = available_ram()
+    if table.nbytes > fraction * available:
+        return None, f"it takes more than cache.pin_ram_fraction ({fraction}) of the {available:,} bytes of RAM available"
+    try:
+        return pinned_copy(table, threads=max(1, min(8, os.cpu_count() or 1))), ""
+    except MemoryError as exc:
+        warnings.warn(f"the {table.nbytes:,}-byte mapped table stays on disk, its rows read from the file: {exc}",
+                      RuntimeWarning, stacklevel=3)
+        return None, str(exc)
+
+
+def _unpin(cudart, ptr: int) -> None:
+    """Unregister a pinned copy once no kernel can still read it (a zero-copy read of a batch
+    staged ahead may be in flight when its loader is dropped)."""
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # the CUDA context is gone (interpreter exit): nothing runs any more
+        pass
+    cudart.cudaHostUnregister(ptr)
 
 
 def _page_release(table: np.ndarray) -> Optional[Callable[[int, int], None]]:

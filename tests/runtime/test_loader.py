@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from fastopt.config import Config
+from fastopt.errors import FastOptError
 from fastopt.data import load_dataset
 from fastopt.data.npydir import write_npy_dir
 from fastopt.models import build_model
@@ -175,6 +176,19 @@ class FakeCudart:
         return 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("sets,why", [({"cache__pin_ram_fraction": 0.0}, "more than cache.pin_ram_fraction"),
+                                      ({"cache__transfer_dtype": "bfloat16"}, "is not cache.transfer_dtype")])
+def test_zero_copy_reads_asked_of_a_mapped_table_that_cannot_be_pinned_say_why(mapped_graph, sets, why):
+    from fastopt.codegen import cached_rows
+
+    cfg = config(cache__placement="host", cache__host_reads="zero_copy", cache__budget_fraction=0.2,
+                 train__device="cuda", **sets)
+    with pytest.raises(FastOptError, match=f"needs the 96,000-byte mapped edge table in pinned RAM, but .*{why}"):
+        Loader(mapped_graph, None, torch.device("cuda"), cfg, read_rows=cached_rows)
+
+
 def test_pinned_copy_reads_a_mapped_table_into_ram_registered_at_its_exact_size(mapped_graph, monkeypatch):
     """A mapped table is copied whole (by several threads, in parts) into memory of its own, which
     is registered with the driver at exactly its size and unregistered once freed."""
@@ -230,33 +244,31 @@ def test_a_table_the_driver_will_not_pin_stays_mapped_with_a_warning(mapped_grap
     cudart = FakeCudart()
     cudart.cudaHostRegister = lambda ptr, size, flags: 2  # cudaErrorMemoryAllocation
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    with pytest.raises(MemoryError, match=r"would not pin a 96,000-byte table \(CUDA error 2\).*pin_ram_fraction"):
+    with pytest.raises(MemoryError, match=r"would not pin a 96,000-byte table \(CUDA error 2\).*pin_ram_fraction to 0"):
         staging.pinned_copy(mapped_graph.edge_feat)
-    loader = Loader(mapped_graph, None, torch.device("cpu"), config(cache__placement="host"))
-    loader.cuda = True
     with pytest.warns(RuntimeWarning, match="stays on disk"):
-        table = loader._pinned(mapped_graph.edge_feat)
-    assert table.data_ptr() == mapped_graph.edge_feat.ctypes.data and cudart.registered == []
+        table, why = staging.pin_if_room(mapped_graph.edge_feat, 0.5)
+    assert table is None and cudart.registered == [] and "would not pin" in why
 
 
 @pytest.mark.parametrize("fraction,ram,pinned", [(0.5, 10_000_000, True), (0.5, 200_000, True),
                                                   (0.5, 100_000, False), (0.0, 10_000_000, False)])
 def test_a_mapped_table_is_pinned_when_the_ram_has_room(mapped_graph, monkeypatch, fraction, ram, pinned):
     """A mapped table (96,000 bytes here) is read into pinned RAM when it takes at most
-    ``cache.pin_ram_fraction`` of the available memory; otherwise the mapping is the table."""
-    from fastopt.runtime import loader as loader_module
+    ``cache.pin_ram_fraction`` of the available memory; otherwise nothing is copied, and why
+    names the fraction and the memory."""
+    from fastopt.runtime import staging
 
     calls = []
-    monkeypatch.setattr(loader_module, "available_ram", lambda: ram)
-    monkeypatch.setattr(loader_module, "pinned_copy",
+    monkeypatch.setattr(staging, "available_ram", lambda: ram)
+    monkeypatch.setattr(staging, "pinned_copy",
                         lambda feat, threads: calls.append(feat) or torch.from_numpy(np.array(feat)))
-    loader = Loader(mapped_graph, None, torch.device("cpu"),
-                    config(cache__placement="host", cache__pin_ram_fraction=fraction))
-    loader.cuda = True
-    table = loader._pinned(mapped_graph.edge_feat)
-    assert torch.equal(table, torch.from_numpy(np.asarray(mapped_graph.edge_feat)))
-    assert (len(calls) == 1) == pinned
-    assert (table.data_ptr() == mapped_graph.edge_feat.ctypes.data) == (not pinned)
+    table, why = staging.pin_if_room(mapped_graph.edge_feat, fraction)
+    assert (len(calls) == 1) == pinned and (why == "") == pinned
+    if pinned:
+        assert torch.equal(table, torch.from_numpy(np.asarray(mapped_graph.edge_feat)))
+    else:
+        assert table is None and f"more than cache.pin_ram_fraction ({fraction}) of the {ram:,} bytes" in why
 
 
 @pytest.mark.gpu
@@ -317,6 +329,21 @@ def test_an_epoch_shortens_the_gil_switch_interval_while_it_runs_and_restores_it
                     if len(seen) == 3:
                         raise RuntimeError("stop")
         assert seen == [pytest.approx(want)] * 3 and sys.getswitchinterval() == before
+    # epochs that overlap hold the shortest interval asked for and end in any order
+    loaders = [Loader(small_graph, NumpySampler(small_graph, [3, 2], "uniform", seed=5), torch.device("cpu"),
+                      config(pipeline__gil_switch_us=us)) for us in (250, 1000)]
+    a = loaders[0].epoch("train", 0).__enter__()
+    b = loaders[1].epoch("train", 0).__enter__()
+    assert sys.getswitchinterval() == pytest.approx(0.00025)
+    a.close()
+    assert sys.getswitchinterval() == pytest.approx(0.001)
+    b.close()
+    assert sys.getswitchinterval() == before
+    # an epoch that fails to start (an unknown split) leaves nothing changed
+    with pytest.raises(FastOptError, match="vald"):
+        with loaders[0].epoch("vald", 0):
+            pass
+    assert sys.getswitchinterval() == before
 
 
 def test_the_loader_says_where_the_features_are_and_how_batches_get_them(small_graph, mapped_graph):
