@@ -10,7 +10,8 @@ On the CPU the same code runs without pinning, streams or copies: the staged row
 place, which is safe because a buffer is refilled only two batches later, after its batch has
 been consumed.
 
-Layering: imports nothing of fastopt but the copy stream (:mod:`fastopt.runtime.streams`).
+Layering: imports nothing of fastopt but the copy stream (:mod:`fastopt.runtime.streams`) and the host's
+memory size (:mod:`fastopt.runtime.validate`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from fastopt.runtime.streams import copy_stream
+from fastopt.runtime.validate import host_memory_bytes
 
 __all__ = ["HostGatherer", "StagingBuffers", "TransferStream", "available_ram", "pin_if_room", "pinned_copy"]
 
@@ -168,7 +170,7 @@ def available_ram() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host_memory_bytes()
 
 
 def pinned_copy(table: np.ndarray, threads: int = 8) -> torch.Tensor:
