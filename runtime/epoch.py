@@ -126,7 +126,8 @@ class EpochStream:
     ``pipeline.prefetch_depth`` further ahead than they are staged, their cached ids announced to
     the cache's ``future`` policy (:class:`_CachePlanner`; 0 without ``pipeline.async_sampling``).
     Zero-copy reads (``Loader.zero_copy``) need none of that: the batches are staged as with
-    device tables, and the epoch starts by installing ``split``'s hot set.
+    device tables, once the epoch has installed ``split``'s hot set (while the staging threads
+    sample the first batches; :meth:`~fastopt.runtime.Loader.begin_epoch`).
 
     Use as ``with loader.epoch(...) as batches: for batch in batches: ...``; leaving the block
     stops and joins the producer (and finishes the cache lookups of batches staged but never
@@ -145,8 +146,12 @@ class EpochStream:
         self._room: Optional[threading.Semaphore] = None
         self._planner: Optional[_CachePlanner] = None
         self._staged_cache = loader.cache is not None and not loader.zero_copy
-        if loader.zero_copy:
-            loader.cache.begin_epoch(split)
+        self._split = split
+        # zero-copy reads: staging waits for the split's hot set, installed while the first
+        # batches are sampled (__enter__); set at once otherwise
+        self._cache_ready = threading.Event()
+        if not loader.zero_copy:
+            self._cache_ready.set()
         if self._staged_cache:
             self._lookahead = depth  # batches sampled and announced beyond the one staged
             depth = min(depth, 1)  # SlimCache keeps at most two staged lookups per table
@@ -157,6 +162,8 @@ class EpochStream:
         if loader.sampler is not None and not loader.keyed:
             workers = 1  # draws keyed by the order of calls: one thread keeps them reproducible
         self.depth = depth
+        if depth == 0:
+            self._begin_cache()
         self.workers = workers
         self._queues: List["queue.Queue"] = [queue.Queue(maxsize=max(1, depth // self.workers))
                                              for _ in range(self.workers)]
@@ -180,10 +187,16 @@ class EpochStream:
                 switch_us = self.loader.config.pipeline.gil_switch_us
                 if switch_us:  # the training thread takes the GIL back sooner from the staging threads
                     _SWITCH.request(self, switch_us / 1e6)
+                self._begin_cache()
             except BaseException:  # no `with` block runs __exit__ then: stop what started
                 self.close()
                 raise
         return self
+
+    def _begin_cache(self) -> None:
+        if not self._cache_ready.is_set():
+            self.loader.begin_epoch(self._split)
+            self._cache_ready.set()
 
     def __exit__(self, *exc) -> bool:
         self.close()
@@ -218,7 +231,7 @@ class EpochStream:
                     # inputs on the device, which must be freed when the consumer is done with
                     # it, not at the end of the epoch
                     batch, self._plan[i] = self._plan[i], None
-                    if not self._in_turn(i, batch):
+                    if not self._in_turn(i, batch) or not self._wait(self._cache_ready):
                         return
                 self._put(q, self.loader.stage(batch))
                 del batch
@@ -240,6 +253,13 @@ class EpochStream:
             with self._turn:
                 self._next = i + 1
                 self._turn.notify_all()
+        return True
+
+    def _wait(self, event: threading.Event) -> bool:
+        """Wait for ``event``; False once stopped."""
+        while not event.wait(_POLL):
+            if self._stop.is_set():
+                return False
         return True
 
     def _wait_for_room(self) -> bool:

@@ -182,6 +182,7 @@ class Loader:
                                    config.cache, read_rows=read_rows)
         # the device reads the cache's misses from the pinned table itself (SlimCache.serve)
         self.zero_copy = self.cache is not None and self.cache.zero_copy("edge")
+        self._reads_at_finish = not self.cuda or (self.zero_copy and config.cache.zero_copy_at == "step")
         self.bytes_h2d = 0  # bytes copied host -> device since construction
         self._bytes_lock = threading.Lock()
         self.high_water = HighWater()  # padded unique lengths: only grow (_padded)
@@ -265,6 +266,12 @@ class Loader:
               timer: Optional[StageTimer] = None) -> "EpochStream":
         """The staged batches of one pass over ``split`` (a context manager and an iterator)."""
         return EpochStream(self, self.plan(split, epoch, mrr_negatives), timer or StageTimer(self.device), split)
+
+    def begin_epoch(self, split: str) -> None:
+        """Install ``split``'s hot set for zero-copy reads, before the copy stream's next reads."""
+        self.cache.begin_epoch(split)
+        if self.cuda:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def inputs_for(self, roots: np.ndarray, times: np.ndarray) -> GraphInputs:
         """The model's inputs for arbitrary ``roots`` at ``times``, built synchronously (rows
@@ -445,7 +452,8 @@ class Loader:
                 with self._bytes_lock:  # staging threads upload concurrently: no update lost
                     self.bytes_h2d += moved_bytes
                 staged.tensors.update(zip(group.keys(), moved))
-            self._read_rows(staged)
+            if not self._reads_at_finish:
+                self._read_rows(staged)
             staged.event = torch.cuda.Event()
             staged.event.record(self._copy_stream)
 
@@ -480,7 +488,7 @@ class Loader:
             for value in t.values():
                 for tensor in value if isinstance(value, list) else [value]:
                     tensor.record_stream(current)
-        if not self.cuda:
+        if self._reads_at_finish:
             self._read_rows(staged)
         layers = staged.layers
         nodes = _sets(t, layers)

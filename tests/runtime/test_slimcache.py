@@ -694,3 +694,16 @@ def test_ranked_slots_find_the_largest_keys_as_a_full_ranking_does(monkeypatch, 
             assert np.unique(got).size == got.size and live[got].all()
             assert np.array_equal(got_keys, keys[got]) and np.array_equal(np.sort(got_keys)[::-1], want)
         assert ranked._entries <= 2 * capacity
+
+
+@settings(max_examples=200, deadline=None)
+@given(counts=st.lists(st.integers(0, 4), max_size=300), capacity=st.integers(0, 320))
+def test_hot_set_is_the_most_used_rows_lower_ids_first_on_ties(counts, capacity):
+    from fastopt.runtime.cache_policy import hot_set
+
+    used = [i for i, c in enumerate(counts) if c > 0]
+    if len(used) > capacity:  # brute force: every used row ranked by (count descending, id)
+        used = sorted(used, key=lambda i: (-counts[i], i))[:capacity]
+    got = hot_set(torch.tensor(counts, dtype=torch.int32), capacity)
+    assert got.dtype == torch.int64
+    assert got.tolist() == used
