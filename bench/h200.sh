@@ -30,6 +30,7 @@
 # BENCH_EPOCHS (4: the steady figure is the median of three, which one slow epoch cannot move).
 # "host" also runs TGN's fastopt and fastopt-host under each of HOST_VARIANTS (env settings, e.g.
 # "FASTOPT_PIPELINE_GIL_SWITCH_US=250 FASTOPT_PIPELINE_GIL_SWITCH_US=1000"); SKIP_SLIMCACHE=1 skips its slimcache run.
+# INTERLEAVE=1: the host step's benches let the contenders' epochs take turns (--interleave).
 # "hostprof": bench/epoch_profile.py --model tgn under each placement, device and host
 # (profile-{device,host}.log; each under HOSTPROF_S seconds). TUNE_DB resumes the tune step's studies.
 set -u
@@ -112,7 +113,7 @@ if [[ " $STEPS " == *" host "* ]]; then
     # beside the device tables and TGL's path, per model; then the cache alone, per read path
     for m in tgn tgat; do
         timeout "${HOST_S:-100}" fastopt bench --model $m --batch-size 600 --epochs "${BENCH_EPOCHS:-4}" \
-            --contenders tgl,fastopt,fastopt-host --no-progress --json "$OUT/host-$m.json" >> "$OUT/host.log" 2>&1
+            --contenders tgl,fastopt,fastopt-host ${INTERLEAVE:+--interleave} --no-progress --json "$OUT/host-$m.json" >> "$OUT/host.log" 2>&1
     done
     # HOST_VARIANTS: space-separated VAR=VALUE[,VAR=VALUE] settings; TGN's fastopt and fastopt-host
     # again under each, one bench per setting (host-tgn-vN.json), so that a knob is judged by the
@@ -121,7 +122,7 @@ if [[ " $STEPS " == *" host "* ]]; then
     for v in ${HOST_VARIANTS:-}; do
         n=$((n + 1)); echo "== v$n: $v" >> "$OUT/host.log"
         env ${v//,/ } timeout "${HOST_S:-100}" fastopt bench --model tgn --batch-size 600 --epochs "${BENCH_EPOCHS:-4}" \
-            --contenders fastopt,fastopt-host --no-progress --json "$OUT/host-tgn-v$n.json" >> "$OUT/host.log" 2>&1
+            --contenders fastopt,fastopt-host ${INTERLEAVE:+--interleave} --no-progress --json "$OUT/host-tgn-v$n.json" >> "$OUT/host.log" 2>&1
     done
     [ -n "${SKIP_SLIMCACHE:-}" ] || \
     timeout "${SLIMCACHE_S:-90}" python3 bench/slimcache.py --device cuda --datasets wikipedia --budgets 0.1 \

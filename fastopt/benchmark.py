@@ -183,78 +183,114 @@ def verify_against_eager(model: nn.Module, eager: nn.Module, inputs, calls: int 
 
 def run_bench(graph, model_name: str, base: Config, contenders: Sequence[str] = CONTENDERS,
               epochs: int = 3, progress: bool = False,
-              log: Callable[[str], None] = print) -> List[BenchResult]:
-    """Train each of ``contenders`` on ``graph`` (see the module docstring); one result each."""
-    from fastopt.models import build_model
-    from fastopt.trainer import Trainer, resolve_device
+              log: Callable[[str], None] = print, interleave: bool = False) -> List[BenchResult]:
+    """Train each of ``contenders`` on ``graph`` (see the module docstring); one result each.
 
+    ``interleave``: every contender is built and verified first, then their epochs take turns
+    (epoch 0 of each, epoch 1 of each, ...), so that a drift in the machine's speed during the
+    run reaches each alike. The contenders then share the process's random generator and its
+    device memory: each one's peak includes the others' resident tables.
+    """
     unknown = [c for c in contenders if c not in CONTENDERS]
     if unknown:
         raise ConfigError(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
     if epochs < 1:
         raise ConfigError(f"epochs must be >= 1 (got {epochs}); the steady epoch needs 2 or more")
+    from fastopt.trainer import resolve_device
+
     device = resolve_device(base.train.device)
-    seed = base.train.seed
-    results = []
+    results, turns = [], []
     for name in contenders:
-        if name == "pyg":
+        if name == "pyg":  # another implementation: trained on its own, never interleaved
             result = _run_pyg(graph, model_name, base, epochs, device, progress, log)
             if result is not None:
                 results.append(result)
             continue
-        if name.startswith("compile") and device.type == "cpu" and name == "compile-ro":
+        if name == "compile-ro" and device.type == "cpu":
             log(f"  {name}: skipped (reduce-overhead needs CUDA graphs)")
             continue
-        cfg = _contender_config(base, name)
-        torch.manual_seed(seed)
-        model = build_model(model_name, graph, base).to(device)
-        eager = copy.deepcopy(model)
-        trainer = Trainer(_wrap(name, model), graph, cfg, progress=progress,
-                          records=name == "fastopt-tuned")
-        result = BenchResult(name)
-        if name == "fastopt-tuned":
-            result.note = (trainer.tuned.describe() if trainer.tuned else
-                           "no tuning record matches this run: the defaults")
-            log(f"  {name}: {result.note}")
-        log(f"  {name}: verifying against eager ...")
-        if name == "tgl":
-            batch = next(iter(trainer.plan("train", 0)))
-            # same model code, other data path: its inputs must be the device path's, exactly;
-            # both padded from nothing (a shape plan saved by an earlier run pads one further)
-            fresh = [cfg.copy(), _contender_config(base, "eager")]
-            for c in fresh:
-                c.pipeline.shape_plans = False
-            _same_inputs(*(Trainer(copy.deepcopy(eager), graph, c, progress=False).build_inputs(batch.roots, batch.times)
-                           for c in fresh))
-            result.verified = "inputs equal to the device path's; model is eager"
+        result, trainer = _prepare(graph, model_name, base, name, device, progress, log)
+        log(f"  {name}: training {epochs} epoch(s){' in turns' if interleave else ''} ...")
+        results.append(result)
+        turn = (result, trainer, trainer.fit_epochs(epochs))
+        del trainer
+        if interleave:
+            turns.append(turn)
         else:
-            inputs = _warm_batch(trainer, eager)
-            result.max_rel_error = verify_against_eager(trainer.model, eager, inputs)
-            result.verified = (f"outputs+grads vs float64 eager: error at most "
-                               f"{result.max_rel_error:.2f}x max(1e-4, eager float32's)")
-        if hasattr(trainer.model, "reset_state"):
-            trainer.model.reset_state()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(device)
-        log(f"  {name}: training {epochs} epoch(s) ...")
-        history = trainer.fit(epochs)
+            _take_turns([turn], device, graph, log)
+        del turn
+    if interleave:
+        _take_turns(turns, device, graph, log)
+    return results
+
+
+def _prepare(graph, model_name: str, base: Config, name: str, device, progress: bool, log):
+    """Contender ``name``'s trainer, its model checked against eager (see the module docstring)."""
+    from fastopt.models import build_model
+    from fastopt.trainer import Trainer
+
+    cfg = _contender_config(base, name)
+    torch.manual_seed(base.train.seed)
+    model = build_model(model_name, graph, base).to(device)
+    eager = copy.deepcopy(model)
+    trainer = Trainer(_wrap(name, model), graph, cfg, progress=progress, records=name == "fastopt-tuned")
+    result = BenchResult(name)
+    if name == "fastopt-tuned":
+        result.note = (trainer.tuned.describe() if trainer.tuned else
+                       "no tuning record matches this run: the defaults")
+        log(f"  {name}: {result.note}")
+    log(f"  {name}: verifying against eager ...")
+    if name == "tgl":
+        batch = next(iter(trainer.plan("train", 0)))
+        # same model code, other data path: its inputs must be the device path's, exactly;
+        # both padded from nothing (a shape plan saved by an earlier run pads one further)
+        fresh = [cfg.copy(), _contender_config(base, "eager")]
+        for c in fresh:
+            c.pipeline.shape_plans = False
+        _same_inputs(*(Trainer(copy.deepcopy(eager), graph, c, progress=False).build_inputs(batch.roots, batch.times)
+                       for c in fresh))
+        result.verified = "inputs equal to the device path's; model is eager"
+    else:
+        inputs = _warm_batch(trainer, eager)
+        result.max_rel_error = verify_against_eager(trainer.model, eager, inputs)
+        result.verified = (f"outputs+grads vs float64 eager: error at most "
+                           f"{result.max_rel_error:.2f}x max(1e-4, eager float32's)")
+    if hasattr(trainer.model, "reset_state"):
+        trainer.model.reset_state()
+    return result, trainer
+
+
+def _take_turns(turns, device, graph, log) -> None:
+    """Run the contenders' epochs in turns until each has trained and tested; fill their results."""
+    cuda = device.type == "cuda"
+    peaks = {id(result): 0 for result, _, _ in turns}
+    live = list(turns)
+    while live:
+        for turn in list(live):
+            result, trainer, epochs = turn
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(device)
+            if next(epochs, None) is None:  # trained and tested
+                live.remove(turn)
+            if cuda:
+                peaks[id(result)] = max(peaks[id(result)], torch.cuda.max_memory_allocated(device))
+    for result, trainer, _ in turns:
+        history = trainer.history
         result.epoch_seconds = [h["seconds"] for h in history]
         steady = history[1:] or history
-        result.stages = {k: statistics.median(h["stages"].get(k, 0.0) for h in steady)
-                         for k in STAGES}
+        result.stages = {k: statistics.median(h["stages"].get(k, 0.0) for h in steady) for k in STAGES}
         result.bytes_h2d = statistics.median(h["bytes_h2d"] for h in steady)
-        result.peak_device_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        result.peak_device_bytes = peaks[id(result)]
         result.peak_host_bytes = peak_host_bytes()
         result.train_events = len(graph.split_range("train"))
         result.val_ap = history[-1]["val"]["ap"]
         result.test_ap = trainer.test_metrics["ap"]
-        results.append(result)
-        log(f"  {name}: {result.steady:.3f} s/epoch steady, first {result.first:.3f} s, test AP {result.test_ap:.4f}")
-        del trainer, model, eager
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return results
+        log(f"  {result.contender}: {result.steady:.3f} s/epoch steady, first {result.first:.3f} s, "
+            f"test AP {result.test_ap:.4f}")
+    turns.clear()  # the trainers and their device memory go
+    if cuda:
+        torch.cuda.empty_cache()
 
 
 def _warm_batch(trainer, eager: nn.Module, batches: int = 20):

@@ -81,6 +81,9 @@ def _add_bench(sub) -> None:
                         f"fastopt with the features in host memory through SlimCache, and fastopt-tuned, "
                         f"which runs fastopt with its tuning record beside the defaults)")
     p.add_argument("--mrr-negatives", type=int, default=0, help="negatives per positive for test MRR (default 0)")
+    p.add_argument("--interleave", action="store_true",
+                   help="build and verify every contender first, then let their epochs take turns, so "
+                        "that the machine's drift in speed reaches each alike")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a bar chart (PNG) here (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -203,7 +206,7 @@ def _cmd_bench(args) -> int:
     print(f"fastopt bench: {args.model} on {graph.name} ({graph.num_events:,} events, edge dim "
           f"{graph.edge_dim}), batch {tc.batch_size}, {args.epochs} epoch(s) each, on {device} ({gpu})",
           flush=True)
-    results = run_bench(graph, args.model, cfg, contenders, epochs=args.epochs,
+    results = run_bench(graph, args.model, cfg, contenders, epochs=args.epochs, interleave=args.interleave,
                         progress=not args.no_progress, log=lambda line: print(line, flush=True))
     print()
     print(format_table(results))
@@ -214,7 +217,7 @@ def _cmd_bench(args) -> int:
                   "fastopt": __version__, "git_commit": git_commit(),
                   "command": command_line(),
                   "dataset": graph.name, "model": args.model, "batch_size": tc.batch_size,
-                  "epochs": args.epochs, "edge_dim": graph.edge_dim, "config": cfg.to_dict(),
+                  "epochs": args.epochs, "interleave": args.interleave, "edge_dim": graph.edge_dim, "config": cfg.to_dict(),
                   "results": [r.to_dict() for r in results]}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=2, default=float))

@@ -88,9 +88,6 @@ class CacheConfig:
     # how a GPU gets rows the cache lacks: "zero_copy" (it reads pinned host memory itself; static
     # hot set per split, refreshed each epoch), "staged" (host gathers, then copies) or "auto"
     host_reads: str = "auto"
-    # which thread launches a batch's zero-copy read: "stage" (a staging thread, on the copy stream,
-    # ahead of the step) or "step" (the training thread, on the compute stream, as it takes the batch)
-    zero_copy_at: str = "stage"
     # a mapped edge table that zero-copy reads would serve is read into pinned RAM when it takes at
     # most this fraction of the available host memory (else read in place); 0 = never
     pin_ram_fraction: float = 0.5
@@ -390,8 +387,6 @@ class Config:
                self.cache.policy, "one of 'static', 'lru', 'future', 'auto'")
         _check(self.cache.host_reads in ("auto", "zero_copy", "staged"), "cache.host_reads",
                self.cache.host_reads, "one of 'auto', 'zero_copy', 'staged'")
-        _check(self.cache.zero_copy_at in ("stage", "step"), "cache.zero_copy_at", self.cache.zero_copy_at,
-               "one of 'stage', 'step'")
         _check(self.cache.transfer_dtype in ("float32", "bfloat16", "float16"), "cache.transfer_dtype",
                self.cache.transfer_dtype, "one of 'float32', 'bfloat16', 'float16'")
         _check(self.cache.gather_threads >= 1, "cache.gather_threads", self.cache.gather_threads, ">= 1")

@@ -35,7 +35,6 @@ __all__ = ["Trainer", "EventBatch", "resolve_device", "make_sampler", "make_opti
            "progress_bar", "read_checkpoint", "tuning_fingerprint"]
 
 
-
 def _zero_copy_reads(device: torch.device) -> Optional[Callable]:
     """``codegen.cached_rows`` where the generated kernels run on ``device`` (SlimCache's zero-copy reads)."""
     from fastopt import codegen
@@ -262,15 +261,21 @@ class Trainer:
     def fit(self, epochs: Optional[int] = None, *, resume: Optional[Union[str, os.PathLike]] = None,
             on_epoch: Optional[Callable[[dict], None]] = None) -> list:
         """Train for ``epochs`` (default ``config.train.epochs``), evaluating on validation after
-        each epoch and on test at the end.
-
-        ``resume`` continues from a checkpoint file; ``on_epoch`` receives each epoch's record
+        each epoch and on test at the end. ``resume`` continues from a checkpoint file; ``on_epoch`` receives each epoch's record
         (loss, seconds, stage times, validation metrics, ``val_seconds``). With
         ``config.train.patience`` training stops once validation AP has not improved for that
         many epochs; with ``config.train.restore_best`` the test runs on the weights and state of
         the epoch with the best validation AP (:attr:`best_epoch`). The test's duration is
         :attr:`test_seconds`.
         """
+        for _ in self.fit_epochs(epochs, resume=resume, on_epoch=on_epoch):
+            pass
+        return self.history
+
+    def fit_epochs(self, epochs: Optional[int] = None, *, resume: Optional[Union[str, os.PathLike]] = None,
+                   on_epoch: Optional[Callable[[dict], None]] = None) -> Iterator[dict]:
+        """:meth:`fit` an epoch per step (each epoch's record; the test once exhausted), so that
+        trainers' epochs can take turns (``fastopt bench --interleave``)."""
         tc = self.config.train
         epochs = tc.epochs if epochs is None else int(epochs)
         if epochs < 1:
@@ -296,6 +301,7 @@ class Trainer:
             self._keep_if_best()
             if self.checkpoint_dir is not None:
                 self.save_checkpoint(self.checkpoint_dir / "checkpoint.pt")
+            yield record
         best = self.best_epoch
         if self._patience_spent() and self.epoch < epochs:
             self._say(f"early stop after epoch {self.epoch - 1}: validation ap has not improved for "
@@ -310,7 +316,6 @@ class Trainer:
                    "tested_epoch": best if tc.restore_best else self.epoch - 1})
         self._say("test: " + "  ".join(f"{k}={v:.4f}" for k, v in self.test_metrics.items())
                   + f"  ({self.test_seconds:.1f}s)")
-        return self.history
 
     @property
     def best_epoch(self) -> Optional[int]:
@@ -587,14 +592,7 @@ class _Quiet:
     def __iter__(self):
         return iter(self._it)
 
-    def set_postfix(self, **kwargs) -> None:
+    def _nothing(self, *args, **kwargs) -> None:
         pass
 
-    def set_postfix_str(self, text: str) -> None:
-        pass
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    set_postfix = set_postfix_str = update = close = _nothing

@@ -45,10 +45,9 @@ NEVER = 1 << 40
 _STRIDE = 1 << 21
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-# Caches of up to this many slots find their eviction candidates by ranking every resident; larger
-# ones keep the residents ranked as they change (RankedSlots). The two break even near 500 k slots
-# (`python bench/cache_directory.py`: 5-8 ms per lookup of 60 k random ids on one core); at 5 M
-# slots the ranking takes 7-11 ms against 66-164 ms.
+# Caches of up to this many slots rank every resident for eviction candidates; larger ones keep
+# them ranked as they change (RankedSlots). Break-even near 500 k slots; at 5 M, 7-11 ms against
+# 66-164 ms per lookup of 60 k random ids on one core (`python bench/cache_directory.py`).
 _SCAN_SLOTS = 1 << 19
 # Entries RankedSlots may hold beyond twice its slots before it rebuilds its buckets.
 _STALE_SLACK = 4096
@@ -301,8 +300,7 @@ class SlotDirectory:
         self.last_use = torch.full((capacity,), -1, dtype=torch.int64)
         self.dirty = torch.zeros(capacity, dtype=torch.bool)
         self.batch = 0  # batches looked up so far
-        # Slots are filled in order and a freed slot is refilled at once, so [filled, capacity)
-        # are exactly the free slots.
+        # slots fill in order and a freed one is refilled at once: [filled, capacity) are the free ones
         self.filled = 0
         # the residents' keys, ranked as they change (policies that admit and so evict)
         self.ranked = RankedSlots(capacity) if policy.admits and capacity > _SCAN_SLOTS else None
@@ -429,8 +427,7 @@ class SlotDirectory:
     def _admit(self, plan: AccessPlan, values: torch.Tensor, t: int, admit_sel: torch.Tensor,
                freed: torch.Tensor, miss_next: torch.Tensor) -> AccessPlan:
         """Give ``freed`` slots to the misses at ``admit_sel``, evicting their residents."""
-        # index_select/index_copy_ rather than advanced indexing: the latter is far slower on
-        # the CPU when its intra-op threads compete with other work.
+        # index_select/index_copy_, not advanced indexing (far slower when intra-op threads contend)
         old = self.id_of.index_select(0, freed)
         occupied = torch.nonzero(old >= 0).flatten()
         plan.evict_ids, plan.evict_slots = old.index_select(0, occupied), freed.index_select(0, occupied)
@@ -552,20 +549,16 @@ def belady_optimum(stream: Sequence, capacity: int, num_rows: Optional[int] = No
 
 
 def hot_set(counts: torch.Tensor, capacity: int) -> torch.Tensor:
-    """The ids of at most ``capacity`` rows with the largest positive ``counts`` (a static hot
-    set; on ties the lower id first)."""
+    """The ids of at most ``capacity`` rows with the largest positive ``counts``, most used first
+    (lower ids first on ties): a static hot set. Its cut is found by a partition, not a sort."""
     c = counts.numpy()
     hot = np.flatnonzero(c > 0)
-    if hot.size <= capacity:
-        return torch.from_numpy(hot)
-    # the capacity-th largest count by a partition, not a sort of every used row (which delayed
-    # each epoch's start by milliseconds): rows above it are in, rows at it fill the rest, lower
-    # ids first; the most used come first (they take the free slots first)
-    used = c[hot]
-    cut = np.partition(used, hot.size - capacity)[hot.size - capacity] if capacity else used.max() + 1
-    above, at = hot[used > cut], hot[used == cut]
-    hot = np.concatenate([above, at[:capacity - above.size]])
-    return torch.from_numpy(hot[np.lexsort((hot, -c[hot].astype(np.int64)))])
+    if hot.size > capacity:
+        used = c[hot]
+        cut = np.partition(used, hot.size - capacity)[hot.size - capacity] if capacity else used.max() + 1
+        hot = np.concatenate([hot[used > cut], hot[used == cut]])[:capacity]
+        hot = hot[np.lexsort((hot, -c[hot].astype(np.int64)))]
+    return torch.from_numpy(hot)
 
 
 def make_policy(name: str, num_rows: int) -> Tuple[ReplacementPolicy, Optional[NextUseIndex]]:

@@ -182,7 +182,6 @@ class Loader:
                                    config.cache, read_rows=read_rows)
         # the device reads the cache's misses from the pinned table itself (SlimCache.serve)
         self.zero_copy = self.cache is not None and self.cache.zero_copy("edge")
-        self._reads_at_finish = not self.cuda or (self.zero_copy and config.cache.zero_copy_at == "step")
         self.bytes_h2d = 0  # bytes copied host -> device since construction
         self._bytes_lock = threading.Lock()
         self.high_water = HighWater()  # padded unique lengths: only grow (_padded)
@@ -452,8 +451,7 @@ class Loader:
                 with self._bytes_lock:  # staging threads upload concurrently: no update lost
                     self.bytes_h2d += moved_bytes
                 staged.tensors.update(zip(group.keys(), moved))
-            if not self._reads_at_finish:
-                self._read_rows(staged)
+            self._read_rows(staged)
             staged.event = torch.cuda.Event()
             staged.event.record(self._copy_stream)
 
@@ -488,7 +486,7 @@ class Loader:
             for value in t.values():
                 for tensor in value if isinstance(value, list) else [value]:
                     tensor.record_stream(current)
-        if self._reads_at_finish:
+        if not self.cuda:
             self._read_rows(staged)
         layers = staged.layers
         nodes = _sets(t, layers)

@@ -80,6 +80,28 @@ def test_bench_end_to_end_writes_json(tiny_file, tmp_path, capsys):
     assert "contender" in out and "fastopt" in out
 
 
+def test_bench_interleaved_trains_each_contender_as_a_run_of_its_own(tiny_file, tmp_path, capsys):
+    """--interleave builds and verifies every contender, then their epochs take turns; with no
+    dropout (no draw from the shared generator) each trains exactly as it does alone."""
+    records = {}
+    for flag in ([], ["--interleave"]):
+        out_json = tmp_path / f"bench{len(flag)}.json"
+        assert main(["bench", "--dataset", str(tiny_file), "--model", "tgn", "--epochs", "2", "--dropout", "0",
+                     "--batch-size", "400", "--device", "cpu", "--contenders", "eager,fastopt-host",
+                     "--json", str(out_json), "--no-progress", *flag]) == 0
+        records[bool(flag)] = json.loads(out_json.read_text())
+        out = capsys.readouterr().out
+    assert records[True]["interleave"] and not records[False]["interleave"]
+    # both verified and started before either trained an epoch: the steady lines come last
+    lines = [line.strip() for line in out.splitlines() if line.startswith("  ")]
+    assert [line.split(":")[0] for line in lines[-2:]] == ["eager", "fastopt-host"]
+    assert all("s/epoch steady" in line for line in lines[-2:])
+    assert all("s/epoch steady" not in line for line in lines[:-2])
+    for alone, turns in zip(records[False]["results"], records[True]["results"], strict=True):
+        assert len(turns["epoch_seconds"]) == 2 and turns["verified"]
+        assert (turns["val_ap"], turns["test_ap"]) == (alone["val_ap"], alone["test_ap"])
+
+
 def test_bench_rejects_unknown_contenders(capsys):
     assert main(["bench", "--contenders", "eager,tensorflow", "--device", "cpu"]) == 2
     assert "unknown contender" in capsys.readouterr().err

@@ -68,7 +68,6 @@ def test_patch_restores_defaults():
     ("train.batch_size", 0, "train.batch_size must be >= 1"),
     ("cache.budget_fraction", 1.5, r"in \[0, 1\]"),
     ("cache.policy", "fifo", "one of 'static'"),
-    ("cache.zero_copy_at", "copy", "cache.zero_copy_at must be one of 'stage', 'step'"),
     ("train.epochs", 2.5, "of type int"),
     ("nope.x", 1, "unknown config group"),
     ("train.nope", 1, "unknown config field"),

@@ -93,19 +93,17 @@ def test_edge_rows_select_the_reference_features_bitwise(small_graph, placement,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("host_reads,edge_rows,at", [("zero_copy", True, "stage"), ("zero_copy", False, "stage"),
-                                                     ("zero_copy", True, "step"), ("staged", True, "stage")])
-def test_host_placement_on_cuda_gives_the_device_paths_inputs_bitwise(small_graph, host_reads, edge_rows, at):
-    """Features in pinned host memory through a 20 % cache (read by the GPU itself, launched by a
-    staging thread or the training thread, or gathered and copied) reach the model as the device
-    tables' do, for two epochs of each split: the second epoch of a split runs on the hot set its
-    first one used."""
+@pytest.mark.parametrize("host_reads,edge_rows", [("zero_copy", True), ("zero_copy", False), ("staged", True)])
+def test_host_placement_on_cuda_gives_the_device_paths_inputs_bitwise(small_graph, host_reads, edge_rows):
+    """Features in pinned host memory through a 20 % cache (read by the GPU itself, or gathered
+    and copied) reach the model as the device tables' do, for two epochs of each split: the
+    second epoch of a split runs on the hot set its first one used."""
     from fastopt.codegen import cached_rows
 
     streams = {}
     for placement in ("device", "host"):
         cfg = config(cache__placement=placement, cache__host_reads=host_reads, cache__budget_fraction=0.2,
-                     cache__zero_copy_at=at, train__device="cuda")
+                     train__device="cuda")
         loader = Loader(small_graph, NumpySampler(small_graph, [3, 2], "uniform", seed=5), torch.device("cuda"),
                         cfg, edge_rows=edge_rows, read_rows=cached_rows)
         assert loader.zero_copy == (placement == "host" and host_reads == "zero_copy")
