@@ -18,7 +18,9 @@ its producer, and why.
 and lists the matrix products grouped by their input shapes, by device time. On CUDA it also
 says how long the device sat idle in the profiled epoch (no kernel running on any stream) and
 where the longest gaps fell, between which kernels: an epoch longer than its device time is
-waiting on the host or the loader there.
+waiting on the host or the loader there. Then the host time each thread spent in CUDA runtime and
+driver calls, the costliest calls per thread: the same calls taking longer on one path than on
+another are waiting (on another thread's calls into the driver, or the GIL).
 
 A diagnostic, not a comparison: it times nothing against eager and records no result. It still
 checks what it runs: an epoch whose mean loss is not finite, or an optimized model whose outputs
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import time
 from typing import List, Tuple
 
@@ -42,6 +45,11 @@ from fastopt.data import load_dataset
 from fastopt.errors import FastOptError
 from fastopt.models import build_model
 from fastopt.trainer import Trainer
+
+
+# the CUDA runtime's and driver's entry points as the profiler names them (cudaLaunchKernel, cuLaunchKernelEx)
+_CUDA_API = re.compile(r"cu(da)?[A-Z]")
+_TRAINING = "epoch_profile::training_thread"
 
 
 def main(argv=None) -> int:
@@ -85,6 +93,8 @@ def main(argv=None) -> int:
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities, record_shapes=args.shapes) as prof:
+        with torch.profiler.record_function(_TRAINING):  # marks this thread's id in the profile
+            pass
         stats = trainer.train_epoch(2)
     print(f"profiled epoch: {stats.seconds:.3f} s (with profiler overhead), stages "
           + " ".join(f"{k}={v:.3f}" for k, v in stats.stages.items()))
@@ -106,6 +116,10 @@ def main(argv=None) -> int:
         kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Memcpy")]
         print(idle_report(kernels, args.rows))
+        calls = [(e.thread, e.name, e.time_range.elapsed_us()) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CPU and _CUDA_API.match(e.name)]
+        training = next((e.thread for e in prof.events() if e.name == _TRAINING), None)
+        print(api_report(calls, training, rows=4))
     if args.trace:
         prof.export_chrome_trace(args.trace)
     return 0
@@ -182,6 +196,28 @@ def idle_report(kernels: List[Tuple[float, float, str]], rows: int) -> str:
              f"in {len(gaps)} gaps, {sum(g[0] > 50 for g in gaps)} of them over 50 us; the longest:"]
     for gap, at, before, after in sorted(gaps, reverse=True)[:rows]:
         lines.append(f"  {gap / 1e3:8.3f} ms  at +{at / 1e3:.1f} ms  after {before[:60]}  before {after[:60]}")
+    return "\n".join(lines)
+
+
+def api_report(calls: List[Tuple[int, str, float]], training: int, rows: int) -> str:
+    """Host time in CUDA runtime and driver calls per thread (``calls``: thread, call, duration
+    in microseconds), the training thread (id ``training``) first, each with its ``rows`` costliest
+    calls: a call that takes longer on one path than on another, the same number of times, waits
+    for something (another thread's calls into the driver, the GIL)."""
+    if not calls:
+        return "CUDA API: no call was recorded"
+    by: dict = {}
+    for thread, name, us in calls:
+        n, total = by.setdefault(thread, {}).get(name, (0, 0.0))
+        by[thread][name] = (n + 1, total + us)
+    lines = ["CUDA API host time by thread:"]
+    for thread in sorted(by, key=lambda t: (t != training, -sum(v[1] for v in by[t].values()))):
+        named = by[thread]
+        total = sum(v[1] for v in named.values())
+        lines.append(f"  {'training' if thread == training else f'thread {thread}'}: {total / 1e3:.1f} ms in "
+                     f"{sum(v[0] for v in named.values())} calls")
+        for name, (n, us) in sorted(named.items(), key=lambda kv: -kv[1][1])[:rows]:
+            lines.append(f"    {name:<28} {us / 1e3:8.1f} ms  {n:>6} calls  {us / n:8.1f} us each")
     return "\n".join(lines)
 
 

@@ -32,7 +32,7 @@
 # "FASTOPT_PIPELINE_GIL_SWITCH_US=250 FASTOPT_PIPELINE_GIL_SWITCH_US=1000"); SKIP_SLIMCACHE=1 skips its slimcache run.
 # INTERLEAVE=1: the host step's benches let the contenders' epochs take turns (--interleave).
 # "hostprof": bench/epoch_profile.py --model tgn under each placement, device and host
-# (profile-{device,host}.log; each under HOSTPROF_S seconds). TUNE_DB resumes the tune step's studies.
+# (profile-{device,host}.log: device idle gaps, CUDA API host time per thread; each under HOSTPROF_S seconds). TUNE_DB resumes the tune step's studies.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the output folder}
@@ -101,6 +101,7 @@ if [[ " $STEPS " == *" hostprof "* ]]; then
         FASTOPT_CACHE_PLACEMENT=$p timeout "${HOSTPROF_S:-60}" python3 bench/epoch_profile.py --model tgn \
             --rows 12 > "$OUT/profile-$p.log" 2>&1
         echo "== $p"; grep -E "^(warm-up|profiled)" "$OUT/profile-$p.log"; grep -A12 "^device idle" "$OUT/profile-$p.log"
+        grep -A15 "^CUDA API" "$OUT/profile-$p.log"
     done
 fi
 [[ " $STEPS " == *" accuracy "* ]] && FASTOPT_SAMPLER_THREADS=2 timeout "${ACCURACY_S:-300}" python3 bench/accuracy.py \

@@ -361,6 +361,22 @@ def test_idle_report_counts_the_time_no_kernel_runs():
     assert report([], rows=3) == "device idle: no kernel was recorded"
 
 
+def test_api_report_sums_each_threads_cuda_calls_training_thread_first():
+    report = load("epoch_profile").api_report
+    calls = [(7, "cudaMemcpyAsync", 40.0), (7, "cudaMemcpyAsync", 60.0), (3, "cudaGraphLaunch", 300.0),
+             (7, "cuLaunchKernelEx", 500.0), (3, "cudaLaunchKernel", 10.0)]
+    lines = report(calls, training=3, rows=1).splitlines()
+    assert lines[0] == "CUDA API host time by thread:"
+    assert lines[1].split() == ["training:", "0.3", "ms", "in", "2", "calls"]
+    assert lines[2].split() == ["cudaGraphLaunch", "0.3", "ms", "1", "calls", "300.0", "us", "each"]
+    assert lines[3].split() == ["thread", "7:", "0.6", "ms", "in", "3", "calls"]
+    assert lines[4].split() == ["cuLaunchKernelEx", "0.5", "ms", "1", "calls", "500.0", "us", "each"]
+    assert len(lines) == 5
+    assert report([], training=3, rows=2) == "CUDA API: no call was recorded"
+    api = load("epoch_profile")._CUDA_API
+    assert api.match("cudaLaunchKernel") and api.match("cuLaunchKernelEx") and not api.match("cutlass::Kernel2")
+
+
 def test_epoch_profile_fails_on_a_wrong_gradient(monkeypatch, wikipedia, capsys, wrong_backward):
     script = _small_epoch_profile(monkeypatch, wikipedia)
     _wrong_attention_gradient(monkeypatch, wrong_backward)
