@@ -189,7 +189,9 @@ def run_bench(graph, model_name: str, base: Config, contenders: Sequence[str] = 
     ``interleave``: every contender is built and verified first, then their epochs take turns
     (epoch 0 of each, epoch 1 of each, ...), so that a drift in the machine's speed during the
     run reaches each alike. The contenders then share the process's random generator and its
-    device memory: each one's peak includes the others' resident tables.
+    device memory: each one's peak includes the others' resident tables, and ``auto`` placement
+    decides each one's beside those built before it (logged). ``pyg`` trains on its own as it
+    is reached.
     """
     unknown = [c for c in contenders if c not in CONTENDERS]
     if unknown:
@@ -210,6 +212,8 @@ def run_bench(graph, model_name: str, base: Config, contenders: Sequence[str] = 
             log(f"  {name}: skipped (reduce-overhead needs CUDA graphs)")
             continue
         result, trainer = _prepare(graph, model_name, base, name, device, progress, log)
+        if interleave:  # built beside the others' tables: where "auto" put this one's features
+            log(f"  {name}: features: {trainer.loader.describe()}")
         log(f"  {name}: training {epochs} epoch(s){' in turns' if interleave else ''} ...")
         results.append(result)
         turn = (result, trainer, trainer.fit_epochs(epochs))
@@ -219,9 +223,18 @@ def run_bench(graph, model_name: str, base: Config, contenders: Sequence[str] = 
         else:
             _take_turns([turn], device, graph, log)
         del turn
+        _release(device)
     if interleave:
         _take_turns(turns, device, graph, log)
+        _release(device)
     return results
+
+
+def _release(device) -> None:
+    """Return the cached device memory of the trainers just let go to the driver, so that the
+    next contender's free-memory checks (``auto`` placement, SlimCache's budget) see it."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _prepare(graph, model_name: str, base: Config, name: str, device, progress: bool, log):
@@ -288,9 +301,7 @@ def _take_turns(turns, device, graph, log) -> None:
         result.test_ap = trainer.test_metrics["ap"]
         log(f"  {result.contender}: {result.steady:.3f} s/epoch steady, first {result.first:.3f} s, "
             f"test AP {result.test_ap:.4f}")
-    turns.clear()  # the trainers and their device memory go
-    if cuda:
-        torch.cuda.empty_cache()
+    turns.clear()  # the trainers go (the caller releases their cached memory)
 
 
 def _warm_batch(trainer, eager: nn.Module, batches: int = 20):

@@ -261,10 +261,10 @@ class Trainer:
     def fit(self, epochs: Optional[int] = None, *, resume: Optional[Union[str, os.PathLike]] = None,
             on_epoch: Optional[Callable[[dict], None]] = None) -> list:
         """Train for ``epochs`` (default ``config.train.epochs``), evaluating on validation after
-        each epoch and on test at the end. ``resume`` continues from a checkpoint file; ``on_epoch`` receives each epoch's record
-        (loss, seconds, stage times, validation metrics, ``val_seconds``). With
-        ``config.train.patience`` training stops once validation AP has not improved for that
-        many epochs; with ``config.train.restore_best`` the test runs on the weights and state of
+        each epoch and on test at the end. ``resume`` continues from a checkpoint file;
+        ``on_epoch`` receives each epoch's record (loss, seconds, stage times, validation metrics,
+        ``val_seconds``). With ``config.train.patience`` training stops once validation AP has not
+        improved for that many epochs; with ``config.train.restore_best`` the test runs on the weights and state of
         the epoch with the best validation AP (:attr:`best_epoch`). The test's duration is
         :attr:`test_seconds`.
         """

@@ -553,9 +553,9 @@ def hot_set(counts: torch.Tensor, capacity: int) -> torch.Tensor:
     (lower ids first on ties): a static hot set. Its cut is found by a partition, not a sort."""
     c = counts.numpy()
     hot = np.flatnonzero(c > 0)
-    if hot.size > capacity:
+    if hot.size > max(capacity, 0):
         used = c[hot]
-        cut = np.partition(used, hot.size - capacity)[hot.size - capacity] if capacity else used.max() + 1
+        cut = np.partition(used, hot.size - capacity)[hot.size - capacity] if capacity > 0 else used.max() + 1
         hot = np.concatenate([hot[used > cut], hot[used == cut]])[:capacity]
         hot = hot[np.lexsort((hot, -c[hot].astype(np.int64)))]
     return torch.from_numpy(hot)
