@@ -216,14 +216,11 @@ def run_bench(graph, model_name: str, base: Config, contenders: Sequence[str] = 
             log(f"  {name}: features: {trainer.loader.describe()}")
         log(f"  {name}: training {epochs} epoch(s){' in turns' if interleave else ''} ...")
         results.append(result)
-        turn = (result, trainer, trainer.fit_epochs(epochs))
-        del trainer
-        if interleave:
-            turns.append(turn)
-        else:
-            _take_turns([turn], device, graph, log)
-        del turn
-        _release(device)
+        turns.append((result, trainer, trainer.fit_epochs(epochs)))
+        del trainer  # the turns hold it, and let it go when it has trained (_take_turns)
+        if not interleave:
+            _take_turns(turns, device, graph, log)
+            _release(device)
     if interleave:
         _take_turns(turns, device, graph, log)
         _release(device)
@@ -274,7 +271,8 @@ def _prepare(graph, model_name: str, base: Config, name: str, device, progress: 
 
 
 def _take_turns(turns, device, graph, log) -> None:
-    """Run the contenders' epochs in turns until each has trained and tested; fill their results."""
+    """Run the contenders' epochs in turns until each has trained and tested; fill their results
+    and empty ``turns`` (the trainers go)."""
     cuda = device.type == "cuda"
     peaks = {id(result): 0 for result, _, _ in turns}
     live = list(turns)

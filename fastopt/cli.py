@@ -217,7 +217,8 @@ def _cmd_bench(args) -> int:
                   "fastopt": __version__, "git_commit": git_commit(),
                   "command": command_line(),
                   "dataset": graph.name, "model": args.model, "batch_size": tc.batch_size,
-                  "epochs": args.epochs, "interleave": args.interleave, "edge_dim": graph.edge_dim, "config": cfg.to_dict(),
+                  "epochs": args.epochs, "interleave": args.interleave, "edge_dim": graph.edge_dim,
+                  "config": cfg.to_dict(),
                   "results": [r.to_dict() for r in results]}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=2, default=float))

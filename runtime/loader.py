@@ -239,7 +239,7 @@ class Loader:
             return table.to(self.device)
         # Pinning copies a table into page-locked RAM: a memory-mapped one stays on disk, and
         # _gather_host (or SlimCache) reads the rows a batch needs from it into pinned buffers,
-        # unless zero-copy reads will serve it (_pinned).
+        # unless zero-copy reads will serve it (read into pinned RAM in __init__: pin_if_room).
         return table.pin_memory() if self.cuda and not mapped else table
 
     # ------------------------------------------------------------------------ planning

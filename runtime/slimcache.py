@@ -441,7 +441,7 @@ class SlimCache:
 
 
 def reads_zero_copy(name: str, spec: CacheTable, device: torch.device, config: CacheConfig,
-               read_rows: Optional[Callable]) -> bool:
+                    read_rows: Optional[Callable]) -> bool:
     """Whether table ``name`` is read zero-copy (``config.host_reads``); CacheError when asked for
     and impossible. ``auto``: on a GPU, given the kernel, for a static table in RAM under the
     static or auto policy."""

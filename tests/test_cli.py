@@ -102,6 +102,36 @@ def test_bench_interleaved_trains_each_contender_as_a_run_of_its_own(tiny_file, 
         assert (turns["val_ap"], turns["test_ap"]) == (alone["val_ap"], alone["test_ap"])
 
 
+def test_bench_lets_each_contender_go_before_releasing_the_device_memory(small_graph, monkeypatch):
+    """The cached device memory is returned to the driver once a contender's trainer is gone, so
+    that the next one's free-memory checks (auto placement, SlimCache's budget) see all of it."""
+    import weakref
+
+    from fastopt import benchmark
+    from fastopt.config import Config
+
+    made, alive_at_release = [], []
+    prepare = benchmark._prepare
+
+    def prepared(*args, **kwargs):
+        result, trainer = prepare(*args, **kwargs)
+        made.append(weakref.ref(trainer))
+        return result, trainer
+
+    monkeypatch.setattr(benchmark, "_prepare", prepared)
+    monkeypatch.setattr(benchmark, "_release", lambda device: alive_at_release.append([r() is not None for r in made]))
+    base = Config()
+    base.train.device, base.train.batch_size, base.train.mrr_negatives = "cpu", 600, 0
+    base.model.memory_dim = base.model.dim = base.model.time_dim = 8
+    for interleave in (False, True):
+        made.clear()
+        alive_at_release.clear()
+        results = benchmark.run_bench(small_graph, "tgn", base, ["eager", "fastopt"], epochs=1,
+                                      log=lambda line: None, interleave=interleave)
+        assert [r.contender for r in results] == ["eager", "fastopt"]
+        assert alive_at_release == ([[False], [False, False]] if not interleave else [[False, False]])
+
+
 def test_bench_rejects_unknown_contenders(capsys):
     assert main(["bench", "--contenders", "eager,tensorflow", "--device", "cpu"]) == 2
     assert "unknown contender" in capsys.readouterr().err

@@ -4,8 +4,9 @@ Only knobs that can change the speed of *this* run are searched: sampler threads
 reordering and thread placement only when the model samples neighbors (placement where networkx
 can pair threads and more than one runs), ``sampler.hop_dedup`` only for models of two or more
 layers, cache placement, budget, reads (zero-copy or staged) and the staged policy only where
-features can live on the host apart from a CUDA device, CUDA graphs only on CUDA. The batch size changes what the model learns, so it is
-searched only over sizes the user allows; by default the user's own size is kept.
+features can live on the host apart from a CUDA device, CUDA graphs only on CUDA. The batch size
+changes what the model learns, so it is searched only over sizes the user allows; by default the
+user's own size is kept.
 
 The generated kernels' thread mapping is searched per fused op, where those kernels run: the
 optimized model's fused ops and the problem shape of each are found by one training step of a
