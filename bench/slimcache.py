@@ -233,8 +233,9 @@ def replay_zero_copy(epoch: EpochStream, tables: Dict[str, torch.Tensor], fracti
     after = cache.counters("edge_feat").to_dict()
     counters = {k: (after[k] - before[k] if k not in ("row_bytes", "hit_rate") else after[k]) for k in after}
     counters["hit_rate"] = counters["hits"] / max(1, counters["lookups"])
+    begin()
     wrong = sum(served_rows_wrong(edge, b["edge_feat"].values, rows)
-                for b, rows in zip(epoch.batches, (begin(), one_epoch(True))[1]))
+                for b, rows in zip(epoch.batches, one_epoch(True)))
     return {"seconds": seconds, "rows_wrong": wrong,
             "tables": {"edge_feat": dict(counters, capacity=cache.capacity("edge_feat"), policy="zero_copy")}}
 

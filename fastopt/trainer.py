@@ -264,9 +264,9 @@ class Trainer:
         each epoch and on test at the end. ``resume`` continues from a checkpoint file;
         ``on_epoch`` receives each epoch's record (loss, seconds, stage times, validation metrics,
         ``val_seconds``). With ``config.train.patience`` training stops once validation AP has not
-        improved for that many epochs; with ``config.train.restore_best`` the test runs on the weights and state of
-        the epoch with the best validation AP (:attr:`best_epoch`). The test's duration is
-        :attr:`test_seconds`.
+        improved for that many epochs; with ``config.train.restore_best`` the test runs on the
+        weights and state of the epoch with the best validation AP (:attr:`best_epoch`). The
+        test's duration is :attr:`test_seconds`.
         """
         for _ in self.fit_epochs(epochs, resume=resume, on_epoch=on_epoch):
             pass
