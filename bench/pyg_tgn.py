@@ -133,6 +133,34 @@ def _time_conv(conv, inputs, args, device) -> float:
     return statistics.median(times) * 1e3
 
 
+def _profile_conv(conv, inputs, args, device, label: str) -> None:
+    """torch.profiler over ``--iters`` training steps of ``conv`` (after the timing warmed it):
+    host and device time per step and the operators with the most of each (``--profile-conv``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    conv.train()
+    x, edge_index, edge_attr = inputs
+    x, edge_attr = x.detach().requires_grad_(), edge_attr.detach().requires_grad_()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    with profile(activities=activities) as prof:
+        for _ in range(args.iters):
+            conv.zero_grad(set_to_none=True)
+            x.grad = edge_attr.grad = None
+            conv(x, edge_index, edge_attr).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events) / args.iters
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx",
+                                                        "cudaGraphLaunch")) / args.iters
+    print(f"\n== profile: {label} TransformerConv, {args.iters} training steps: device time "
+          f"{device_us:.1f} us per step, {launches:.1f} kernel/graph launches per step")
+    for sort in ("self_cpu_time_total",) + (("self_device_time_total",) if device.type == "cuda" else ()):
+        print(events.table(sort_by=sort, row_limit=args.profile_conv))
+
+
 def _epochs(graph: TemporalGraph, args, device: torch.device) -> dict:
     """The example trained unmodified and optimized, once per seed (PyG first each time):
     steady seconds per epoch (median after the first epoch, over all seeds' runs) and test AP
@@ -188,6 +216,9 @@ def main(argv=None) -> int:
     parser.add_argument("--control", action="store_true",
                         help="also train PyG's example with its initial parameters changed at rounding "
                              "level, per seed: the AP gap that rounding alone makes (the noise floor)")
+    parser.add_argument("--profile-conv", type=int, default=0, metavar="ROWS",
+                        help="after timing the layer, profile its eager and fastopt steps and print "
+                             "the ROWS operators with the most host and device time")
     parser.add_argument("--json", help="write the record to this JSON file")
     args = parser.parse_args(argv)
     for name in ("batch_size", "epochs", "iters", "verify_steps"):
@@ -234,6 +265,9 @@ def main(argv=None) -> int:
         conv["speedup"] = conv["eager_ms"] / conv["fastopt_ms"]
         print(f"TransformerConv forward+backward: eager {conv['eager_ms']:.3f} ms, fastopt "
               f"{conv['fastopt_ms']:.3f} ms ({conv['speedup']:.2f}x)")
+        if args.profile_conv:
+            for label, layer in (("eager", eager), ("fastopt", fast)):
+                _profile_conv(layer, inputs, args, device, label)
 
     if not failed and not args.skip_epochs:
         record.update(_epochs(graph, args, device))
