@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -112,7 +112,7 @@ def _gat_output(layer: nn.Module, logits: Tensor, values: Tensor, src: Tensor, d
     if mask is None:
         out = codegen.edge_softmax_aggregate(logits, values, dst, num_dst, v_index=src)
     else:
-        out = codegen.edge_softmax_aggregate(logits, values[src] * mask, dst, num_dst)
+        out = codegen.edge_softmax_aggregate(logits, values.index_select(0, src) * mask, dst, num_dst)
     out = _heads_out(layer, out)
     if res is not None:
         out = out + res
@@ -239,12 +239,31 @@ def _padded_call(layer: nn.Module, x: Tensor, src: Tensor, dst: Tensor,
     rows, edges = x.shape[0], src.numel()
     # the loader's sizes: four per power of two, so that calls of similar size share graphs
     padded_rows, extra = bucket(rows, 1), bucket(edges, 1) - edges
-    args = (F.pad(x, (0, 0, 0, padded_rows - rows)), F.pad(src, (0, extra)),
-            F.pad(dst, (0, extra), value=padded_rows),
-            None if edge_attr is None else F.pad(edge_attr, (0, 0, 0, extra)),
-            None if mask is None else F.pad(mask, (0, 0, 0, 0, 0, extra)), slots)
+    args = (pad_rows(x, padded_rows - rows), pad_rows(src, extra), pad_rows(dst, extra, padded_rows),
+            None if edge_attr is None else pad_rows(edge_attr, extra),
+            None if mask is None else pad_rows(mask, extra), slots)
     core, runner = layer.__dict__["_fastopt_core"], layer.__dict__["_fastopt_core_runner"]
     return runner(core, core.forward, args, {})[:rows]
+
+
+_FILLS: Dict[tuple, Tensor] = {}
+
+
+def pad_rows(t: Tensor, extra: int, value: int = 0) -> Tensor:
+    """``t`` with ``extra`` rows of ``value`` appended: one ``cat`` with a view of a constant
+    buffer kept per device, dtype and value (never written; grown when a call needs more), where
+    ``F.pad`` allocates, fills and copies (two launches, at the host cost of three operations)."""
+    if extra == 0:
+        return t
+    inner = t[0].numel()
+    key = (t.device, t.dtype, value)
+    fill = _FILLS.get(key)
+    if fill is None or fill.numel() < extra * inner:
+        fill = torch.full((2 * extra * inner,), value, dtype=t.dtype, device=t.device)
+        if fill.is_cuda:  # later calls may read it from another stream
+            torch.cuda.current_stream(fill.device).synchronize()
+        _FILLS[key] = fill
+    return torch.cat([t, fill[:extra * inner].view(extra, *t.shape[1:])])
 
 
 class _TransformerCore(nn.Module):
@@ -292,7 +311,7 @@ def transformer_edges(layer: nn.Module, x_src: Tensor, x_dst: Tensor, src: Tenso
         width = heads * channels
         pair = torch.cat([key, value], dim=-1) if whole is None else \
             whole.narrow(-1, whole.shape[-1] - 2 * width, 2 * width)
-        kv = pair[src].view(-1, 2, heads, channels) + edge
+        kv = pair.index_select(0, src).view(-1, 2, heads, channels) + edge
         v = kv[:, 1] if mask is None else kv[:, 1] * mask
         out = codegen.edge_attention(query, kv[:, 0], v, dst, scale=scale, slots=slots)
     else:
@@ -302,7 +321,7 @@ def transformer_edges(layer: nn.Module, x_src: Tensor, x_dst: Tensor, src: Tenso
             out = codegen.edge_attention(query, key, value, dst, k_index=src, v_index=src,
                                          scale=scale, slots=slots)
         else:
-            out = codegen.edge_attention(query, key, value[src] * mask, dst, k_index=src,
+            out = codegen.edge_attention(query, key, value.index_select(0, src) * mask, dst, k_index=src,
                                          scale=scale, slots=slots)
     out = _heads_out(layer, out)
     if layer.root_weight:
@@ -378,7 +397,7 @@ def gat_conv(layer: nn.Module, x, edge_index: Tensor, edge_attr: Optional[Tensor
         edge_index, edge_attr = _self_loops(layer, edge_index, edge_attr,
                                             min(h_src.size(0), h_dst.size(0)))
     src, dst = edge_index[0], edge_index[1]
-    logits = a_src[src] + a_dst[dst]
+    logits = a_src.index_select(0, src) + a_dst.index_select(0, dst)
     if edge_attr is not None and layer.lin_edge is not None:
         attr = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr
         edge = layer.lin_edge(attr).view(-1, heads, channels)
@@ -426,7 +445,7 @@ def gatv2_conv(layer: nn.Module, x, edge_index: Tensor, edge_attr: Optional[Tens
         edge_index, edge_attr = _self_loops(layer, edge_index, edge_attr,
                                             min(h_l.size(0), h_r.size(0)))
     src, dst = edge_index[0], edge_index[1]
-    pair = h_r[dst] + h_l[src]
+    pair = h_r.index_select(0, dst) + h_l.index_select(0, src)
     if edge_attr is not None:
         attr = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr
         pair = pair + layer.lin_edge(attr).view(-1, heads, channels)

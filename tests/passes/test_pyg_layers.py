@@ -295,6 +295,23 @@ def test_transformer_conv_pads_to_shared_bucket_sizes(reference_backend):
     assert twin.__dict__["_fastopt_core"].lin_query is twin.lin_query is not fast.lin_query
 
 
+def test_pad_rows_appends_constant_rows_from_a_kept_buffer():
+    """``pad_rows`` gives ``F.pad``'s result (rows of a value appended, dtype and trailing shape
+    kept), gradients included, and its constant buffer grows without changing what it holds."""
+    from fastopt.passes.pyg_conv import pad_rows
+
+    x = torch.randn(5, 3, 2, requires_grad=True)
+    got = pad_rows(x, 4)
+    assert torch.equal(got, torch.nn.functional.pad(x, (0, 0, 0, 0, 0, 4)))
+    got.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+    assert pad_rows(x, 0) is x
+    index = torch.arange(6)
+    for extra in (3, 50, 2):  # the second grows the buffer of 7s
+        assert pad_rows(index, extra, 7).tolist() == list(range(6)) + [7] * extra
+    assert pad_rows(index, 2).tolist() == list(range(6)) + [0, 0]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_transformer_conv_replays_one_captured_graph_for_calls_of_one_size():
