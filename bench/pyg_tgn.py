@@ -152,7 +152,9 @@ def _profile_conv(conv, inputs, args, device, label: str) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     events = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in events) / args.iters
+    # kernels and copies only: an operator's self device time counts its kernels again
+    device_us = sum(e.self_device_time_total for e in events
+                    if e.device_type != torch.autograd.DeviceType.CPU) / args.iters
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx",
                                                         "cudaGraphLaunch")) / args.iters
     print(f"\n== profile: {label} TransformerConv, {args.iters} training steps: device time "

@@ -211,7 +211,7 @@ class GraphPair:
         self.static_outputs = static_outputs
         self.differentiable = differentiable
         self.static_grad_outputs = static_grad_outputs
-        self.grad_groups = grad_groups  # (flat static buffer, [(surface position, offset, shape)])
+        self.grad_groups = grad_groups  # (flat static buffer, positions, sizes, shapes)
         self.surface_size = surface_size
         self.generation = 0
         self._pending: Optional[weakref.ref] = None
@@ -352,16 +352,11 @@ def _copy_grouped(static: Sequence[Tensor], fresh: Sequence[Tensor], groups) -> 
 
 
 def _flat_groups(grads: Sequence[Optional[Tensor]]) -> list:
-    """Inside the backward capture: the gradients concatenated into one buffer per dtype/device."""
-    groups = []
-    for members, positions in _by_kind(grads):
-        flat = torch.cat([g.reshape(-1) for g in members])
-        layout, offset = [], 0
-        for i, g in zip(positions, members):
-            layout.append((i, offset, tuple(g.shape)))
-            offset += g.numel()
-        groups.append((flat, layout))
-    return groups
+    """Inside the backward capture: the gradients concatenated into one buffer per dtype/device,
+    ``(flat, positions, sizes, shapes)`` per buffer (``flat.split(sizes)`` gives the pieces)."""
+    return [(torch.cat([g.reshape(-1) for g in members]), positions,
+             [g.numel() for g in members], [g.shape for g in members])
+            for members, positions in _by_kind(grads)]
 
 
 class _Replay(torch.autograd.Function):
@@ -393,11 +388,7 @@ class _Replay(torch.autograd.Function):
         graphs.bwd.replay()
         ctx.token.done = True
         grads: List[Optional[Tensor]] = [None] * graphs.surface_size
-        for flat, layout in graphs.grad_groups:
-            fresh = flat.clone()
-            for i, offset, shape in layout:
-                n = 1
-                for d in shape:
-                    n *= d
-                grads[i] = fresh[offset:offset + n].view(shape)
+        for flat, positions, sizes, shapes in graphs.grad_groups:
+            for i, piece, shape in zip(positions, flat.clone().split(sizes), shapes):
+                grads[i] = piece.view(shape)
         return (None, *grads)

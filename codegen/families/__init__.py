@@ -17,6 +17,8 @@ smallest complete example (``codegen/README.md`` walks through adding one).
 - ``column_sum``: deterministic column sums (bias gradients);
 - ``cached_rows``: rows of a table by id through a device cache, the uncached ones read from
   pinned host memory by the GPU (SlimCache's zero-copy reads; no operator, not differentiable).
+- ``degree_stats``: the largest in-degree of an edge list and its indices' ranges in one pass
+  (the slot count that ``edge_slot_count`` reads back; no operator, not differentiable).
 
 Nothing is re-exported here: ``fastopt.codegen`` is the public surface.
 """

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastopt.codegen import checks
+from fastopt.codegen.families.degree_stats import degree_stats
 from fastopt.codegen.families.segment_reduce import Segments
 from fastopt.codegen.families.temporal_attention import temporal_attention
 from fastopt.codegen.layout import acc_dtype
@@ -100,7 +101,10 @@ def _slot_count(counts: Tensor, rows: int, edges: int, ranged: list) -> Optional
     ``config.kernels.check_inputs`` the ranges of ``ranged`` (``(name, index, rows, fix)``), in one
     host read; None where the padded slots would outnumber the edges :data:`PADDING_LIMIT` times.
     """
-    degree = _read_back(counts, ranged)
+    return _slots_for(_read_back(counts, ranged), rows, edges)
+
+
+def _slots_for(degree: int, rows: int, edges: int) -> Optional[int]:
     # slots rounded up to a power of two: the kernels specialize per slot count, and a layer's
     # largest in-degree changes from call to call
     slots = 1 << (degree - 1).bit_length()
@@ -112,17 +116,28 @@ def slot_count(dst: Tensor, num_dst: int, ranged: Sequence[Tuple[str, Tensor, in
     checks ``dst`` and the ``(name, index, rows)`` of ``ranged`` with
     ``config.kernels.check_inputs``), or None where the degrees are so skewed that the segment
     path should run (call without ``slots`` then). Read it before a CUDA graph's capture or
-    replay: the call with ``slots`` reads nothing back."""
+    replay: the call with ``slots`` reads nothing back.
+
+    With at most one index in ``ranged``, of the edges' length and on their device (a layer's
+    sources), the in-degrees and both ranges come from one pass (:func:`degree_stats`)."""
     checks.is_tensor("dst", dst)
     checks.has_ndim("dst", dst, 1, "[E], the destination of each edge")
     _check_count("num_dst", num_dst, "pass the number of destination nodes")
     if dst.numel() == 0 or num_dst == 0:
         return 1
+    named = [("dst", dst, num_dst, "edges must point at a destination row")] + \
+        [(name, t, rows, f"the table has {rows} rows") for name, t, rows in ranged]
+    if len(ranged) <= 1 and all(t.dim() == 1 and t.numel() == dst.numel() and t.device == dst.device
+                                and t.dtype in checks.INDEX_DTYPES for _, t, _ in ranged):
+        checked = checks.values_checked()
+        stats = degree_stats(dst, num_dst, ranged[0][1] if ranged and checked else None).tolist()
+        if checked:
+            for i, (name, _, rows, fix) in enumerate(named):
+                _in_range(name, -stats[2 + 2 * i], stats[1 + 2 * i], rows, fix)
+        return _slots_for(max(1, stats[0]), num_dst, dst.numel())
     counts = torch.zeros(num_dst + 1, dtype=torch.int64, device=dst.device)
     counts.index_add_(0, dst.long().clamp(0, num_dst), torch.ones_like(dst, dtype=torch.int64))
-    return _slot_count(counts[:num_dst], num_dst, dst.numel(),
-                       [("dst", dst, num_dst, "edges must point at a destination row")]
-                       + [(name, t, rows, f"the table has {rows} rows") for name, t, rows in ranged])
+    return _slot_count(counts[:num_dst], num_dst, dst.numel(), named)
 
 
 def _check_count(name: str, value, fix: str) -> None:
@@ -140,11 +155,14 @@ def _read_back(counts: Tensor, ranged: list) -> int:
     read = torch.stack([p.to(torch.int64) for p in parts]).tolist()
     if checked:
         for i, (name, _, rows, fix) in enumerate(ranged):
-            low, high = read[1 + 2 * i], read[2 + 2 * i]
-            if low < 0 or high >= rows:
-                bad = low if low < 0 else high
-                raise KernelError(f"{name} holds {bad}, outside [0, {rows}); {fix}")
+            _in_range(name, read[1 + 2 * i], read[2 + 2 * i], rows, fix)
     return max(1, read[0])
+
+
+def _in_range(name: str, low: int, high: int, rows: int, fix: str) -> None:
+    if low < 0 or high >= rows:
+        bad = low if low < 0 else high
+        raise KernelError(f"{name} holds {bad}, outside [0, {rows}); {fix}")
 
 
 def edge_attention(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, *,

@@ -190,3 +190,38 @@ def test_slot_count_and_slots_are_checked():
     q, k = torch.randn(4, 1, 3), torch.randn(5, 1, 3)
     with pytest.raises(KernelError, match=r"slots must be a power of two >= 1 \(got 3\)"):
         cg.edge_attention(q, k, k, dst, slots=3)
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("nodes, edges, dtype", [(9, 40, torch.int64), (300, 5000, torch.int32),
+                                                 (1, 3, torch.int64)])
+def test_degree_stats_kernel_equals_its_reference(nodes, edges, dtype, device):
+    """One pass over the edges (atomics across several programs): the largest in-degree and both
+    indices' ranges as the torch reference counts them, with and without a second index."""
+    from fastopt.codegen.families.degree_stats import degree_stats, reference
+
+    src, dst, _ = _graph(max(nodes, 3), edges, seed=nodes)
+    dst = dst.clamp(max=nodes - 1).to(dtype)
+    src = (src - 2).to(dtype)  # some negative
+    for index in (None, src):
+        want = reference(dst, nodes, index)
+        got = degree_stats(dst.to(device), nodes, None if index is None else index.to(device))
+        assert got.tolist() == want.tolist()
+    counts = torch.bincount(dst.long(), minlength=nodes)
+    assert want.tolist()[:3] == [int(counts.max()), int(dst.max()), 0]
+    assert want.tolist()[3:] == [max(0, int(src.max())), max(0, -int(src.min()))]
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_slot_count_reads_degrees_and_ranges_in_one_pass(device):
+    """The slot count and the range errors of ``edge_slot_count`` from the one-pass kernel: the
+    bad value named (a negative source, a destination past the rows)."""
+    dst = torch.tensor([2, 0, 2, 2, 0], device=device)
+    src = torch.tensor([1, 3, 0, 0, 2], device=device)
+    assert cg.edge_slot_count(dst, 4, [("edge_index[0]", src, 4)]) == 4
+    with pytest.raises(KernelError, match=r"edge_index\[0\] holds -4, outside \[0, 4\)"):
+        cg.edge_slot_count(dst, 4, [("edge_index[0]", src - 4, 4)])
+    with pytest.raises(KernelError, match=r"dst holds 2, outside \[0, 2\)"):
+        cg.edge_slot_count(dst, 2, [("edge_index[0]", src, 4)])
+    many = torch.zeros(3000, dtype=torch.long, device=device)  # one destination, many programs
+    assert cg.edge_slot_count(many, 1) == 4096  # in-degree 3000 counted across three programs
