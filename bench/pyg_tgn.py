@@ -11,8 +11,8 @@ with 172-d random edge features) at ``--batch-size`` (600):
    batch ``--conv-batch`` from PyG's ``LastNeighborLoader``: the batch's nodes and their last 10
    neighbors; 100-d inputs, 2 heads of 50, 272-d edge features): eager vs the optimized layer,
    checked in eval mode (outputs, input and parameter gradients), then timed in training mode
-   (dropout on) over ``--iters`` steps after ``--warmup`` (median; CUDA synchronized around
-   each step on a GPU);
+   (dropout on) over ``--iters`` steps after ``--warmup``, the two layers' steps taking turns
+   (median; CUDA synchronized around each step on a GPU);
 3. **epochs**: the example trained for ``--epochs`` epochs unmodified, then with
    ``fastopt.optimize(memory)`` and ``fastopt.optimize(gnn)`` (nothing else changed), once per
    seed of ``--seeds``: seconds per training epoch (median after each run's first epoch) and
@@ -111,26 +111,31 @@ def _check_conv(eager, fast, inputs) -> tuple:
     return largest, bad
 
 
-def _time_conv(conv, inputs, args, device) -> float:
-    """Median milliseconds of forward+backward in training mode; node and edge features require
-    gradients, as the memory's output and the time encoding do in the example."""
-    conv.train()
+def _time_convs(convs, inputs, args, device) -> list:
+    """Median milliseconds of forward+backward in training mode of each layer of ``convs``, their
+    steps taking turns (the order alternating from one round to the next), so that a change in
+    the machine's speed during the run moves every layer's figure alike; node and edge features
+    require gradients, as the memory's output and the time encoding do in the example."""
     x, edge_index, edge_attr = inputs
     x, edge_attr = x.detach().requires_grad_(), edge_attr.detach().requires_grad_()
-    times = []
+    times = [[] for _ in convs]
+    for conv in convs:
+        conv.train()
     for i in range(args.warmup + args.iters):
-        conv.zero_grad(set_to_none=True)
-        x.grad = edge_attr.grad = None
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        out = conv(x, edge_index, edge_attr)
-        out.sum().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        order = range(len(convs)) if i % 2 == 0 else reversed(range(len(convs)))
+        for j in order:
+            convs[j].zero_grad(set_to_none=True)
+            x.grad = edge_attr.grad = None
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            out = convs[j](x, edge_index, edge_attr)
+            out.sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= args.warmup:
+                times[j].append(time.perf_counter() - t0)
+    return [statistics.median(t) * 1e3 for t in times]
 
 
 def _profile_conv(conv, inputs, args, device, label: str) -> None:
@@ -262,8 +267,7 @@ def main(argv=None) -> int:
           f"{'ok' if bad is None else 'FAILED: ' + bad}; largest difference {largest:.3g}")
     failed = not check["ok"] or bad is not None
     if not failed:
-        conv["eager_ms"] = _time_conv(eager, inputs, args, device)
-        conv["fastopt_ms"] = _time_conv(fast, inputs, args, device)
+        conv["eager_ms"], conv["fastopt_ms"] = _time_convs([eager, fast], inputs, args, device)
         conv["speedup"] = conv["eager_ms"] / conv["fastopt_ms"]
         print(f"TransformerConv forward+backward: eager {conv['eager_ms']:.3f} ms, fastopt "
               f"{conv['fastopt_ms']:.3f} ms ({conv['speedup']:.2f}x)")

@@ -95,7 +95,7 @@ def _dropout_mask(module: nn.Module, like: Tensor, edges: int) -> Optional[Tenso
     dropout of a tensor of that shape, dtype and device. None in eval mode or without dropout."""
     if not (module.training and module.dropout > 0):
         return None
-    ones = like.new_ones(edges, module.heads)
+    ones = constant_rows(edges, (module.heads,), 1, like)  # dropout reads it, writes a new tensor
     return F.dropout(ones, float(module.dropout), training=True).unsqueeze(-1)
 
 
@@ -249,21 +249,30 @@ def _padded_call(layer: nn.Module, x: Tensor, src: Tensor, dst: Tensor,
 _FILLS: Dict[tuple, Tensor] = {}
 
 
-def pad_rows(t: Tensor, extra: int, value: int = 0) -> Tensor:
-    """``t`` with ``extra`` rows of ``value`` appended: one ``cat`` with a view of a constant
-    buffer kept per device, dtype and value (never written; grown when a call needs more), where
-    ``F.pad`` allocates, fills and copies (two launches, at the host cost of three operations)."""
-    if extra == 0:
-        return t
-    inner = t[0].numel()
-    key = (t.device, t.dtype, value)
+def constant_rows(rows: int, shape: Tuple[int, ...], value: int, like: Tensor) -> Tensor:
+    """``[rows, *shape]`` filled with ``value`` in ``like``'s dtype and device, never to be
+    written: a view of a buffer kept per device, dtype and value (grown when a call needs more),
+    so that a call pays no fill launch for its constants."""
+    width = 1
+    for s in shape:
+        width *= s
+    key = (like.device, like.dtype, value)
     fill = _FILLS.get(key)
-    if fill is None or fill.numel() < extra * inner:
-        fill = torch.full((2 * extra * inner,), value, dtype=t.dtype, device=t.device)
+    if fill is None or fill.numel() < rows * width:
+        fill = torch.full((2 * rows * width,), value, dtype=like.dtype, device=like.device)
         if fill.is_cuda:  # later calls may read it from another stream
             torch.cuda.current_stream(fill.device).synchronize()
         _FILLS[key] = fill
-    return torch.cat([t, fill[:extra * inner].view(extra, *t.shape[1:])])
+    return fill[:rows * width].view(rows, *shape)
+
+
+def pad_rows(t: Tensor, extra: int, value: int = 0) -> Tensor:
+    """``t`` with ``extra`` rows of ``value`` appended: one ``cat`` with :func:`constant_rows`,
+    where ``F.pad`` allocates, fills and copies (two launches, at the host cost of three
+    operations)."""
+    if extra == 0:
+        return t
+    return torch.cat([t, constant_rows(extra, tuple(t.shape[1:]), value, t)])
 
 
 class _TransformerCore(nn.Module):
