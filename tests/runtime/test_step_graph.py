@@ -117,8 +117,12 @@ def test_trainer_with_step_graphs_matches_eager_steps(small_graph, name):
             atol = 2 * cfg.train.lr if ".time_enc." in key else 1e-4
             torch.testing.assert_close(a, b, rtol=1e-3, atol=atol, msg=lambda m: f"{key}, epoch {epoch}: {m}")
     # test AP over the small graph's 450 test events: one pair of scores swapping order moves it by
-    # ~2e-3, which weights equal to rtol 1e-3 allow (TGAT with merged repeats: 4.2e-3 on the H200)
-    assert abs(runs[0][1] - runs[1][1]) < 1e-2
+    # ~2e-3, which weights equal to rtol 1e-3 allow (TGAT with merged repeats: 4.2e-3 on the H200).
+    # This TGAT is near chance after two epochs (test AP 0.54 on the CPU, where 181 of its 471
+    # adjacent sorted test scores lie < 1e-3 apart), so rounding swaps many pairs: 0.0227 apart in
+    # one of five H200 runs at 1ce1600. The weights above are the comparison; its AP only has to
+    # stay within that measured spread
+    assert abs(runs[0][1] - runs[1][1]) < {"tgn": 1e-2, "tgat": 0.05}[name]
 
 
 def test_a_run_settles_on_one_captured_shape_per_batch_size(small_graph):
