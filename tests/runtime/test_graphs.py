@@ -501,9 +501,11 @@ def test_tensors_grouped_by_kind_for_copies_and_gradient_buffers():
     assert [(len(m), p) for m, p in capture._copy_groups([a, b, empty, d])] == [(2, [0, 3]),
                                                                              (1, [1])]
     groups = capture._flat_groups([a, None, empty, d, b])
-    assert [layout for _, layout in groups] == [[(0, 0, (2, 3)), (2, 6, (0, 5)), (3, 6, (5,))],
-                                                [(4, 0, (4,))]]
+    assert [(p, n, [tuple(s) for s in shapes]) for _, p, n, shapes in groups] == [
+        ([0, 2, 3], [6, 0, 5], [(2, 3), (0, 5), (5,)]), ([4], [4], [(4,)])]
     assert torch.equal(groups[0][0], torch.cat([a.reshape(-1), d]))
+    pieces = [piece.view(shape) for piece, shape in zip(groups[0][0].split(groups[0][2]), groups[0][3])]
+    assert torch.equal(pieces[0], a) and pieces[1].shape == (0, 5) and torch.equal(pieces[2], d)
 
 
 def test_a_failed_generator_repair_warns_and_does_not_raise(monkeypatch):
