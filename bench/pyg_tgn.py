@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 import statistics
 import sys
 import time
@@ -46,6 +47,9 @@ from fastopt.data import TemporalGraph, load_dataset
 from fastopt.errors import FastOptError
 
 IN_CHANNELS, HEADS, HEAD_DIM, TIME_DIM = 100, 2, 50, 100
+# the runtime's and driver's launch entry points: cudaLaunchKernel, cudaLaunchKernelExC,
+# cuLaunchKernel, cuLaunchKernelEx, cudaGraphLaunch
+_LAUNCH = re.compile(r"cu(da)?(Graph)?Launch(Kernel\w*)?")
 # the control run's relative change of each initial parameter: rounding level for float32
 CONTROL_PERTURBATION = 1e-7
 
@@ -160,10 +164,12 @@ def _profile_conv(conv, inputs, args, device, label: str) -> None:
     # kernels and copies only: an operator's self device time counts its kernels again
     device_us = sum(e.self_device_time_total for e in events
                     if e.device_type != torch.autograd.DeviceType.CPU) / args.iters
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx",
-                                                        "cudaGraphLaunch")) / args.iters
-    print(f"\n== profile: {label} TransformerConv, {args.iters} training steps: device time "
-          f"{device_us:.1f} us per step, {launches:.1f} kernel/graph launches per step")
+    host_us = sum(e.self_cpu_time_total for e in events
+                  if e.device_type == torch.autograd.DeviceType.CPU) / args.iters
+    launches = sum(e.count for e in events if _LAUNCH.fullmatch(e.key)) / args.iters
+    print(f"\n== profile: {label} TransformerConv, {args.iters} training steps: host time "
+          f"{host_us:.1f} us, device time {device_us:.1f} us per step (host time with the "
+          f"profiler's overhead), {launches:.1f} kernel/graph launches per step")
     for sort in ("self_cpu_time_total",) + (("self_device_time_total",) if device.type == "cuda" else ()):
         print(events.table(sort_by=sort, row_limit=args.profile_conv))
 

@@ -23,6 +23,8 @@ Public surface (stable signatures; the fx passes rewrite onto these):
   cache, the rows it lacks read straight from a pinned host table (SlimCache's zero-copy reads)
 - :func:`row_sums` ``(values, index, table_rows, *, apart=0)``: the gradient of a gather
   ``table[index]`` (per-row sums of the slots' rows), deterministic, by the segmented kernel
+- :func:`gather_rows` ``(table, index)``: ``table.index_select(0, index)`` whose gradient follows
+  ``config.kernels.backward_mode`` (deterministic: :func:`row_sums`)
 - :func:`attention_mapping` ``(slots, heads, dim)``: the attention kernels' thread mapping for
   that shape, in words (for reports)
 - :func:`select_backend` ``(t)``: ``"triton"`` or ``"reference"`` for inputs where ``t`` is
@@ -48,7 +50,7 @@ from fastopt.codegen.families.masked_aggregate import masked_aggregate
 from fastopt.codegen.families.edge_attention import edge_attention, edge_softmax_aggregate
 from fastopt.codegen.families.edge_attention import slot_count as edge_slot_count
 from fastopt.codegen.families.matmul import linear
-from fastopt.codegen.families.segment_reduce import row_sums
+from fastopt.codegen.families.segment_reduce import gather_rows, row_sums
 from fastopt.codegen.families.temporal_attention import (dropout_seed, shared_attention,
                                                          temporal_attention)
 from fastopt.codegen.families.time_encode import time_encode
@@ -68,6 +70,7 @@ __all__ = [
     "column_sum",
     "cached_rows",
     "row_sums",
+    "gather_rows",
     "attention_mapping",
     "select_backend",
     "reference",

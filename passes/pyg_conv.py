@@ -112,7 +112,8 @@ def _gat_output(layer: nn.Module, logits: Tensor, values: Tensor, src: Tensor, d
     if mask is None:
         out = codegen.edge_softmax_aggregate(logits, values, dst, num_dst, v_index=src)
     else:
-        out = codegen.edge_softmax_aggregate(logits, values.index_select(0, src) * mask, dst, num_dst)
+        per_edge = codegen.gather_rows(values, src) * mask
+        out = codegen.edge_softmax_aggregate(logits, per_edge, dst, num_dst)
     out = _heads_out(layer, out)
     if res is not None:
         out = out + res
@@ -247,18 +248,25 @@ def _padded_call(layer: nn.Module, x: Tensor, src: Tensor, dst: Tensor,
 
 
 _FILLS: Dict[tuple, Tensor] = {}
+_RETIRED: list = []  # buffers a growth replaced: work queued on another stream may still read them
 
 
 def constant_rows(rows: int, shape: Tuple[int, ...], value: int, like: Tensor) -> Tensor:
     """``[rows, *shape]`` filled with ``value`` in ``like``'s dtype and device, never to be
     written: a view of a buffer kept per device, dtype and value (grown when a call needs more),
-    so that a call pays no fill launch for its constants."""
+    so that a call pays no fill launch for its constants.
+
+    Buffers live for the process (a growth doubles, so a value's buffers total at most twice its
+    largest); a value per padded destination count (four per power of two). Not to be called
+    while a CUDA graph is being captured: a growth synchronizes the stream."""
     width = 1
     for s in shape:
         width *= s
     key = (like.device, like.dtype, value)
     fill = _FILLS.get(key)
     if fill is None or fill.numel() < rows * width:
+        if fill is not None:
+            _RETIRED.append(fill)
         fill = torch.full((2 * rows * width,), value, dtype=like.dtype, device=like.device)
         if fill.is_cuda:  # later calls may read it from another stream
             torch.cuda.current_stream(fill.device).synchronize()
@@ -320,7 +328,7 @@ def transformer_edges(layer: nn.Module, x_src: Tensor, x_dst: Tensor, src: Tenso
         width = heads * channels
         pair = torch.cat([key, value], dim=-1) if whole is None else \
             whole.narrow(-1, whole.shape[-1] - 2 * width, 2 * width)
-        kv = pair.index_select(0, src).view(-1, 2, heads, channels) + edge
+        kv = codegen.gather_rows(pair, src).view(-1, 2, heads, channels) + edge
         v = kv[:, 1] if mask is None else kv[:, 1] * mask
         out = codegen.edge_attention(query, kv[:, 0], v, dst, scale=scale, slots=slots)
     else:
@@ -330,8 +338,9 @@ def transformer_edges(layer: nn.Module, x_src: Tensor, x_dst: Tensor, src: Tenso
             out = codegen.edge_attention(query, key, value, dst, k_index=src, v_index=src,
                                          scale=scale, slots=slots)
         else:
-            out = codegen.edge_attention(query, key, value.index_select(0, src) * mask, dst, k_index=src,
-                                         scale=scale, slots=slots)
+            per_edge = codegen.gather_rows(value, src) * mask
+            out = codegen.edge_attention(query, key, per_edge, dst, k_index=src, scale=scale,
+                                         slots=slots)
     out = _heads_out(layer, out)
     if layer.root_weight:
         skip = dst_side[1]
@@ -406,7 +415,7 @@ def gat_conv(layer: nn.Module, x, edge_index: Tensor, edge_attr: Optional[Tensor
         edge_index, edge_attr = _self_loops(layer, edge_index, edge_attr,
                                             min(h_src.size(0), h_dst.size(0)))
     src, dst = edge_index[0], edge_index[1]
-    logits = a_src.index_select(0, src) + a_dst.index_select(0, dst)
+    logits = codegen.gather_rows(a_src, src) + codegen.gather_rows(a_dst, dst)
     if edge_attr is not None and layer.lin_edge is not None:
         attr = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr
         edge = layer.lin_edge(attr).view(-1, heads, channels)
@@ -454,7 +463,7 @@ def gatv2_conv(layer: nn.Module, x, edge_index: Tensor, edge_attr: Optional[Tens
         edge_index, edge_attr = _self_loops(layer, edge_index, edge_attr,
                                             min(h_l.size(0), h_r.size(0)))
     src, dst = edge_index[0], edge_index[1]
-    pair = h_r.index_select(0, dst) + h_l.index_select(0, src)
+    pair = codegen.gather_rows(h_r, dst) + codegen.gather_rows(h_l, src)
     if edge_attr is not None:
         attr = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr
         pair = pair + layer.lin_edge(attr).view(-1, heads, channels)

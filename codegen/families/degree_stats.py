@@ -48,13 +48,15 @@ def degree_stats(dst: Tensor, num_dst: int, index: Optional[Tensor] = None) -> T
     """:func:`reference`'s ``[5]`` statistics of the edges ``dst [E]`` (int32/int64) into
     ``num_dst`` destinations and of ``index [E]`` (another index of the same edges), on the
     device of ``dst``, with no host synchronization. Validated by the caller: 1-d integer
-    tensors of one length on one device."""
+    tensors of one length on one device (any strides). Edges whose destination is outside
+    ``[0, num_dst)`` are not counted; the range statistics report them."""
     if select_backend(dst) != "triton" or dst.numel() == 0:
         return reference(dst, num_dst, index)
     buffer = torch.zeros(5 + num_dst, dtype=torch.int64, device=dst.device)
     stats, counts = buffer[:5], buffer[5:]
     cfg = KernelConfig(block_m=BLOCK, num_warps=4, num_stages=1)
     kernel = kernels.fixed("degree_stats", dst.device, cfg, block=BLOCK, has_index=index is not None)
-    kernel.launch((-(-dst.numel() // BLOCK), 1), dst, dst if index is None else index, counts,
-                  stats, dst.numel(), num_dst)
+    dst = dst.contiguous()  # the kernel reads both indices with unit stride
+    index = dst if index is None else index.contiguous()
+    kernel.launch((-(-dst.numel() // BLOCK), 1), dst, index, counts, stats, dst.numel(), num_dst)
     return stats

@@ -119,7 +119,8 @@ def slot_count(dst: Tensor, num_dst: int, ranged: Sequence[Tuple[str, Tensor, in
     replay: the call with ``slots`` reads nothing back.
 
     With at most one index in ``ranged``, of the edges' length and on their device (a layer's
-    sources), the in-degrees and both ranges come from one pass (:func:`degree_stats`)."""
+    sources), the in-degrees and both ranges come from one pass (:func:`degree_stats`; without
+    ``check_inputs``, destinations outside ``[0, num_dst)`` are left out of the count)."""
     checks.is_tensor("dst", dst)
     checks.has_ndim("dst", dst, 1, "[E], the destination of each edge")
     _check_count("num_dst", num_dst, "pass the number of destination nodes")

@@ -14,13 +14,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from fastopt.codegen import kernels
 from fastopt.codegen.layout import valid_slots
 from fastopt.codegen.library import eager_kernels
+from fastopt.config import default_config
 from fastopt.errors import KernelError
 
-__all__ = ["Segments", "row_sums", "segment_reduce", "slot_segments"]
+__all__ = ["Segments", "gather_rows", "row_sums", "segment_reduce", "slot_segments"]
 
 
 class Segments:
@@ -159,3 +161,35 @@ def row_sums(values: Tensor, index: Tensor, table_rows: int, *, apart: int = 0) 
     out = out.view(table_rows, dim)
     torch.mv(values.t(), (index == apart).to(values.dtype), out=out[apart])
     return out
+
+
+class _GatherRows(torch.autograd.Function):
+    """``table.index_select(0, index)``; the gradient into ``table`` by :func:`row_sums`."""
+
+    @staticmethod
+    def forward(ctx, table: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.table_shape = table.shape
+        return table.index_select(0, index)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        shape = ctx.table_shape
+        sums = row_sums(grad.reshape(index.numel(), -1), index, shape[0], apart=0)
+        return sums.view(shape), None
+
+
+def gather_rows(table: Tensor, index: Tensor) -> Tensor:
+    """``table.index_select(0, index)`` (rows of ``table [N, ...]`` by ``index [S]``) whose
+    gradient into ``table`` follows ``config.kernels.backward_mode``: ``"deterministic"`` sums
+    each row's slots in sorted order (:func:`row_sums`: the segmented kernel where the generated
+    kernels run, row 0, where padding slots point, by one product), ``"atomic"`` is
+    ``index_select``'s own backward (an ``index_add`` by atomics on CUDA, whose sums' order
+    changes from run to run). ``table[index]``'s backward is deterministic too, but sorts the
+    whole rows: several times slower on a PyG layer's gathers."""
+    if (default_config().kernels.backward_mode == "atomic" or not table.requires_grad
+            or not torch.is_grad_enabled() or table.shape[0] == 0 or index.numel() == 0):
+        return table.index_select(0, index)
+    return _GatherRows.apply(table, index)

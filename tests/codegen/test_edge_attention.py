@@ -203,6 +203,11 @@ def test_degree_stats_kernel_equals_its_reference(nodes, edges, dtype, device):
     src, dst, _ = _graph(max(nodes, 3), edges, seed=nodes)
     dst = dst.clamp(max=nodes - 1).to(dtype)
     src = (src - 2).to(dtype)  # some negative
+    wild = dst.clone()
+    wild[::7], wild[1::9] = nodes + 3, -5  # out of range both ways: not counted, but reported
+    want = reference(wild, nodes)
+    assert want.tolist()[1:3] == [nodes + 3, 5]
+    assert degree_stats(wild.to(device), nodes).tolist() == want.tolist()
     for index in (None, src):
         want = reference(dst, nodes, index)
         got = degree_stats(dst.to(device), nodes, None if index is None else index.to(device))
@@ -223,5 +228,12 @@ def test_slot_count_reads_degrees_and_ranges_in_one_pass(device):
         cg.edge_slot_count(dst, 4, [("edge_index[0]", src - 4, 4)])
     with pytest.raises(KernelError, match=r"dst holds 2, outside \[0, 2\)"):
         cg.edge_slot_count(dst, 2, [("edge_index[0]", src, 4)])
+    # edge lists of other strides (a transposed [E, 2] stack): the kernel reads them packed
+    strided = torch.stack([src, dst], dim=1).t()
+    assert strided[1].stride() == (2,)
+    assert cg.edge_slot_count(strided[1], 4, [("edge_index[0]", strided[0], 4)]) == 4
+    with pytest.raises(KernelError, match=r"edge_index\[0\] holds 9, outside \[0, 4\)"):
+        bad = torch.stack([src.clone().index_fill_(0, torch.tensor([3], device=device), 9), dst], 1).t()
+        cg.edge_slot_count(bad[1], 4, [("edge_index[0]", bad[0], 4)])
     many = torch.zeros(3000, dtype=torch.long, device=device)  # one destination, many programs
     assert cg.edge_slot_count(many, 1) == 4096  # in-degree 3000 counted across three programs

@@ -69,6 +69,28 @@ def test_projected_rows_weight_gradient_is_the_slot_product(device):
     assert rel_error(ref_w, want_w) < 1e-6
 
 
+@pytest.mark.parametrize("mode", ["deterministic", "atomic"])
+def test_gather_rows_gradient_follows_the_backward_mode(mode, device):
+    """``gather_rows`` is ``index_select`` forward; its gradient into a 3-d table is the float64
+    per-row sum either way: by ``row_sums`` (repeatable bit for bit) when deterministic, by
+    ``index_select``'s own backward when atomic. Without a gradient to take it is a plain gather."""
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(50, 2, 3, generator=g).to(device).requires_grad_()
+    index = _slots(50, 700, seed=6, padded=200).to(device)
+    grad = torch.randn(700, 2, 3, generator=g).to(device)
+    with fconfig.patch(kernels__backward_mode=mode):
+        out = cg.gather_rows(table, index)
+        (got,) = torch.autograd.grad(out, [table], grad)
+        (again,) = torch.autograd.grad(cg.gather_rows(table, index), [table], grad)
+        assert (out.grad_fn.name() == "IndexSelectBackward0") == (mode == "atomic")
+        assert cg.gather_rows(table.detach(), index).grad_fn is None
+    assert torch.equal(out, table.index_select(0, index))
+    want = torch.zeros(50, 6, dtype=torch.float64).index_add_(0, index.cpu(), grad.double().reshape(700, 6).cpu())
+    assert got.shape == table.shape and rel_error(got.cpu().reshape(50, 6), want) < 1e-6
+    if mode == "deterministic":
+        assert torch.equal(got, again)
+
+
 @pytest.mark.parametrize("rows", [3, 1 << 15])  # int16 keys, and the row count whose one-past id needs a shift
 def test_segments_leave_slots_outside_valid_out_of_every_row(rows):
     from fastopt.codegen.families.segment_reduce import Segments
