@@ -14,7 +14,7 @@
 # bench for TGAT and TGN, CONTENDERS per model, then each model's fastopt again in a second process
 # for the first epoch with the kernel cache warm; bench.log, bench-*.json), "accuracy"
 # (bench/accuracy.py, 10 epochs x SEEDS x VARIANTS (eager fastopt); accuracy.{log,json})
-# and "pyg" (bench/pyg_tgn.py; pyg.{log,json}). "tune": fastopt tune for each of TUNE_MODELS
+# and "pyg" (bench/pyg_tgn.py; pyg.{log,json}); "pygap": its layer timing and AP study only. "tune": fastopt tune for each of TUNE_MODELS
 # (tgn tgat) on each of TUNE_DATASETS (wikipedia; a path for another graph, carried in a git-ignored
 # folder), TRIALS trials (40) in one SQLite file, records to $OUT/records (--max-device-memory
 # MAX_MEMORY_GB when set), then fastopt bench of fastopt and fastopt-tuned side by side per pair
@@ -109,6 +109,11 @@ fi
     --json "$OUT/accuracy.json" -- --batch-size 600 --edge-dim 172 --mrr-negatives 0 > "$OUT/accuracy.log" 2>&1
 [[ " $STEPS " == *" pyg "* ]] && timeout "${PYG_S:-480}" python3 bench/pyg_tgn.py --device cuda --epochs 5 --control \
     --seeds ${SEEDS:-0 1 2} --json "$OUT/pyg.json" > "$OUT/pyg.log" 2>&1
+# pygap: the layer check and timing, then the AP study: AP_SEEDS (24 seeds) x 3 contenders, 5 epochs,
+# PYG_JOBS (8) processes at a time (pygap.{log,json})
+[[ " $STEPS " == *" pygap "* ]] && timeout "${PYGAP_S:-540}" python3 bench/pyg_tgn.py --device cuda --epochs 5 \
+    --skip-epochs --iters 200 --warmup 20 --ap-seeds ${AP_SEEDS:-$(seq 0 23)} --jobs "${PYG_JOBS:-8}" \
+    --json "$OUT/pygap.json" > "$OUT/pygap.log" 2>&1
 if [[ " $STEPS " == *" host "* ]]; then
     # features in host memory through SlimCache (a budget of cache.budget_fraction, 0.1 by default)
     # beside the device tables and TGL's path, per model; then the cache alone, per read path
@@ -134,6 +139,7 @@ fi
 [ -f "$OUT/bench.log" ] && grep -E "^(eager|tgl|pyg|compile|fastopt) " "$OUT/bench.log"
 [ -f "$OUT/accuracy.log" ] && tail -16 "$OUT/accuracy.log"
 [ -f "$OUT/pyg.log" ] && tail -12 "$OUT/pyg.log"
+[ -f "$OUT/pygap.log" ] && grep -E "^(TransformerConv|model| )" "$OUT/pygap.log"
 [ -f "$OUT/kernels.log" ] && { grep -A30 "graph replay" "$OUT/kernels.log"
                                grep -B1 -A12 "copy bandwidth" "$OUT/kernels.log" | head -8; }
 [ -f "$OUT/optimize.log" ] && tail -12 "$OUT/optimize.log"

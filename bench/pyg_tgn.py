@@ -23,6 +23,11 @@ with 172-d random edge features) at ``--batch-size`` (600):
    amplifies differences of that size (two runs of a seed part in the loss's 4th digit within the
    first epoch).
 
+4. **AP study** (``--ap-seeds S ...``): test AP after ``--epochs`` of the example unmodified,
+   optimized and perturbed as the control, once per seed, ``--jobs`` runs at a time in worker
+   processes (not timed): the gaps to PyG paired by seed, with their standard errors, so that
+   a gap can be told from rounding with more seeds than a timed run can afford.
+
 Prints a table, writes JSON (``--json``: date, device, versions, commit, command, every
 figure), and exits with status 1 when a check fails (nothing is timed after a failed check)::
 
@@ -210,6 +215,64 @@ def _epochs(graph: TemporalGraph, args, device: torch.device) -> dict:
     return out
 
 
+def _ap_run(job: dict) -> dict:
+    """One training run of the AP study (a worker process's job, or in-process for ``--jobs 1``):
+    ``job`` holds the script's arguments as a dict, the contender's label and the seed."""
+    args = argparse.Namespace(**job["args"])
+    if job.get("threads"):
+        torch.set_num_threads(job["threads"])
+    modules = fastopt.optimize if job["label"] == "fastopt" else None
+    perturb = CONTROL_PERTURBATION if job["label"] == "pyg-control" else 0.0
+    run = run_pyg_tgn(_graph(args), batch_size=args.batch_size, epochs=args.epochs,
+                      device=torch.device(args.device), seed=job["seed"], modules=modules,
+                      perturb=perturb)
+    return {"label": job["label"], "seed": job["seed"], "test_ap": run["test"]["ap"],
+            "val_ap": run["val"]["ap"], "final_loss": run["loss"][-1]}
+
+
+def _paired_gap(ap: dict, label: str, seeds: list) -> dict:
+    """``label``'s test AP minus PyG's, per seed, in points: mean and its standard error."""
+    gaps = [100 * (ap[label][s] - ap["pyg"][s]) for s in seeds]
+    se = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else float("nan")
+    return {"per_seed": gaps, "mean": statistics.mean(gaps), "standard_error": se}
+
+
+def _ap_study(args) -> dict:
+    """Test AP after ``--epochs`` of the example unmodified, optimized and perturbed at rounding
+    level (the control), per seed of ``--ap-seeds``, ``--jobs`` runs at a time in worker
+    processes (their epoch times are shared machines' and not reported): the gaps to PyG, paired
+    by seed, with their standard errors. The control's gap is what rounding alone makes, so
+    fastopt's is judged against it."""
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing
+    import os
+
+    labels = ("pyg", "fastopt", "pyg-control")
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    jobs = [{"args": vars(args), "label": label, "seed": seed, "threads": threads}
+            for seed in args.ap_seeds for label in labels]
+    if args.jobs == 1:
+        results = [_ap_run(job) for job in jobs]
+    else:  # spawned: CUDA cannot be used in a forked child
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(_ap_run, jobs))
+    ap = {label: {r["seed"]: r["test_ap"] for r in results if r["label"] == label} for label in labels}
+    out = {"seeds": list(args.ap_seeds), "epochs": args.epochs, "jobs": args.jobs, "runs": results,
+           "fastopt_minus_pyg": _paired_gap(ap, "fastopt", args.ap_seeds),
+           "control_minus_pyg": _paired_gap(ap, "pyg-control", args.ap_seeds)}
+    print(f"\nAP study: test AP after {args.epochs} epochs, {len(args.ap_seeds)} seeds, "
+          f"{args.jobs} run(s) at a time")
+    for label in labels:
+        values = list(ap[label].values())
+        spread = statistics.stdev(values) if len(values) > 1 else float("nan")
+        print(f"  {label:12s} mean {statistics.mean(values):.4f}  sd {spread:.4f}")
+    for key, what in (("fastopt_minus_pyg", "fastopt minus PyG"),
+                      ("control_minus_pyg", "control minus PyG (rounding alone)")):
+        gap = out[key]
+        print(f"  {what}: {gap['mean']:+.2f} +- {gap['standard_error']:.2f} points (standard error)")
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -225,16 +288,20 @@ def main(argv=None) -> int:
     parser.add_argument("--conv-batch", type=int, default=100)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--skip-epochs", action="store_true", help="check and time the layer only")
+    parser.add_argument("--skip-epochs", action="store_true", help="no timed epochs: the checks, the layer (and the AP study when asked)")
     parser.add_argument("--control", action="store_true",
                         help="also train PyG's example with its initial parameters changed at rounding "
                              "level, per seed: the AP gap that rounding alone makes (the noise floor)")
     parser.add_argument("--profile-conv", type=int, default=0, metavar="ROWS",
                         help="after timing the layer, profile its eager and fastopt steps and print "
                              "the ROWS operators with the most host and device time")
+    parser.add_argument("--ap-seeds", type=int, nargs="*", default=[], metavar="SEED",
+                        help="after the rest, the AP study: the example unmodified, optimized and as "
+                             "the control trained once per seed (test AP only, no timing)")
+    parser.add_argument("--jobs", type=int, default=1, help="the AP study's runs at a time (processes)")
     parser.add_argument("--json", help="write the record to this JSON file")
     args = parser.parse_args(argv)
-    for name in ("batch_size", "epochs", "iters", "verify_steps"):
+    for name in ("batch_size", "epochs", "iters", "verify_steps", "jobs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
     try:
@@ -283,6 +350,8 @@ def main(argv=None) -> int:
 
     if not failed and not args.skip_epochs:
         record.update(_epochs(graph, args, device))
+    if not failed and args.ap_seeds:
+        record["ap_study"] = _ap_study(args)
 
     if args.json:
         write_record(args.json, **record)

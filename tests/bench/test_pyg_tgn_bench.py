@@ -106,6 +106,33 @@ def test_control_runs_the_example_perturbed_at_rounding_level(tmp_path, monkeypa
         100 * (sum(ap["pyg-control"]) - sum(ap["pyg"])) / 2)
 
 
+def test_ap_study_pairs_each_contender_with_pyg_by_seed(tmp_path, monkeypatch):
+    """--ap-seeds trains the three contenders once per seed (no timing) and reports each gap to
+    PyG per seed, with its mean and standard error; the runs take the modules and perturbation
+    of their label."""
+    script = load("pyg_tgn")
+    seen = []
+
+    def run(graph, *, seed, modules, perturb, **kwargs):
+        seen.append((seed, modules is fastopt.optimize, perturb))
+        ap = 0.8 + 0.01 * seed + (0.002 if modules else 0.0) + perturb * 1e4
+        return {"test": {"ap": ap}, "val": {"ap": ap}, "loss": [0.5]}
+
+    monkeypatch.setattr(script, "run_pyg_tgn", run)
+    argv = _args(tmp_path)
+    del argv[argv.index("--seeds"):argv.index("--seeds") + 3]
+    assert script.main(argv + ["--skip-epochs", "--ap-seeds", "3", "5", "--jobs", "1"]) == 0
+    study = json.loads((tmp_path / "out.json").read_text())["ap_study"]
+    control = script.CONTROL_PERTURBATION
+    assert sorted(seen) == sorted([(s, f, p) for s in (3, 5) for f, p in
+                                   ((False, 0.0), (True, 0.0), (False, control))])
+    gap = study["fastopt_minus_pyg"]
+    assert gap["per_seed"] == pytest.approx([0.2, 0.2]) and gap["mean"] == pytest.approx(0.2)
+    assert gap["standard_error"] == pytest.approx(0.0, abs=1e-9)
+    assert study["control_minus_pyg"]["mean"] == pytest.approx(100 * control * 1e4)
+    assert len(study["runs"]) == 6 and study["seeds"] == [3, 5]
+
+
 def test_bench_fails_on_a_wrong_layer(tmp_path, monkeypatch):
     script = load("pyg_tgn")
     from fastopt.passes import pyg_conv
