@@ -93,10 +93,15 @@ def main(argv=None) -> int:
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     # a CUDA call outside any recorded op is given the thread that collects the profile (this
-    # one): staging runs inside one, so that its calls are the staging threads'
+    # one): staging runs inside one, so that its calls are the staging threads' (recorded when
+    # the profiler records every thread's operators, profiler_options)
     stage = trainer.loader.stage
     trainer.loader.stage = lambda *a, **kw: _marked("epoch_profile::stage", stage, *a, **kw)
-    with torch.profiler.profile(activities=activities, record_shapes=args.shapes) as prof:
+    options = profiler_options()
+    if not options:
+        print("note: this torch records only the collecting thread's operators: the staging threads' "
+              "CUDA calls are counted as the training thread's")
+    with torch.profiler.profile(activities=activities, record_shapes=args.shapes, **options) as prof:
         with torch.profiler.record_function(_TRAINING):  # marks this thread's id in the profile
             pass
         stats = trainer.train_epoch(2)
@@ -204,6 +209,19 @@ def idle_report(kernels: List[Tuple[float, float, str]], rows: int) -> str:
     return "\n".join(lines)
 
 
+def profiler_options() -> dict:
+    """``torch.profiler.profile`` keywords that record every thread's operators, not only the
+    collecting thread's (without them a staging thread's operators are not recorded at all, and
+    its CUDA calls are counted as the training thread's); empty where this torch has no such
+    option."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        return {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
+    except (ImportError, TypeError):
+        return {}
+
+
 def _marked(name: str, fn, *args, **kwargs):
     with torch.profiler.record_function(name):
         return fn(*args, **kwargs)
@@ -215,7 +233,8 @@ def api_report(calls: List[Tuple[int, str, float]], training: Optional[int], row
     calls: a call that takes longer on one path than on another, the same number of times, waits
     for something (another thread's calls into the driver, the GIL). The profiler gives a call
     made outside any recorded op the collecting thread's id: only calls inside one (main marks
-    ``Loader.stage``) are told apart."""
+    ``Loader.stage``) on a thread whose operators are recorded (:func:`profiler_options`) are told
+    apart."""
     if not calls:
         return "CUDA API: no call was recorded"
     by: dict = {}

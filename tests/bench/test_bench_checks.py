@@ -377,6 +377,31 @@ def test_api_report_sums_each_threads_cuda_calls_training_thread_first():
     assert api.match("cudaLaunchKernel") and api.match("cuLaunchKernelEx") and not api.match("cutlass::Kernel2")
 
 
+def test_profiler_options_record_the_staging_threads_operators_under_their_own_ids():
+    """Without them the profiler records only the collecting thread's operators: a staging
+    thread's would be missing and its CUDA calls counted as the training thread's."""
+    import threading
+
+    import torch
+
+    options = load("epoch_profile").profiler_options()
+    assert options, "this torch should record every thread's operators"
+
+    def stage():
+        with torch.profiler.record_function("epoch_profile::stage"):
+            torch.ones(3).sum()
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], **options) as prof:
+        with torch.profiler.record_function("epoch_profile::training_thread"):
+            pass
+        worker = threading.Thread(target=stage)
+        worker.start()
+        worker.join()
+    threads = {e.name: e.thread for e in prof.events()}
+    assert "epoch_profile::stage" in threads and "aten::sum" in threads
+    assert threads["epoch_profile::stage"] == threads["aten::sum"] != threads["epoch_profile::training_thread"]
+
+
 def test_epoch_profile_fails_on_a_wrong_gradient(monkeypatch, wikipedia, capsys, wrong_backward):
     script = _small_epoch_profile(monkeypatch, wikipedia)
     _wrong_attention_gradient(monkeypatch, wrong_backward)
