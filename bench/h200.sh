@@ -14,12 +14,13 @@
 # bench for TGAT and TGN, CONTENDERS per model, then each model's fastopt again in a second process
 # for the first epoch with the kernel cache warm; bench.log, bench-*.json), "accuracy"
 # (bench/accuracy.py, 10 epochs x SEEDS x VARIANTS (eager fastopt); accuracy.{log,json})
-# and "pyg" (bench/pyg_tgn.py; pyg.{log,json}); "pygap": its layer timing and AP study only. "tune": fastopt tune for each of TUNE_MODELS
+# and "pyg" (bench/pyg_tgn.py; pyg.{log,json}); "pygconv": its layer check and timing only;
+# "pygap": its layer timing and AP study only. "tune": fastopt tune for each of TUNE_MODELS
 # (tgn tgat) on each of TUNE_DATASETS (wikipedia; a path for another graph, carried in a git-ignored
 # folder), TRIALS trials (40) in one SQLite file, records to $OUT/records (--max-device-memory
 # MAX_MEMORY_GB when set), then fastopt bench of fastopt and fastopt-tuned side by side per pair
 # (tune.log, tuned-*.json); each study under TUNE_S seconds (900). The tuner needs optuna there:
-# carry its wheels (device README) and put them on PYTHONPATH before this script. "scale": a
+# carry its wheels (device README) in ../.whl (or WHEELS): this script installs them apart. "scale": a
 # GDELT-like graph of SCALE_EVENTS (50 M) events synthesized on the machine (SCALE_DIR, ~39 GB at
 # 50 M), then fastopt bench of TGN at batch 4,000, features on the host through a device cache of
 # SCALE_BUDGET (0.1) of their bytes (scale.{log,json}: events/s, bytes moved, peak host and device
@@ -38,6 +39,13 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the output folder}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/env.log" 2>&1
 python3 -m pip install -q --no-build-isolation --no-deps -e . >> "$OUT/env.log" 2>&1 || { tail "$OUT/env.log"; exit 1; }
+# WHEELS (default ../.whl, where a carried folder of wheels lands beside the tree): optuna and its
+# dependencies, which the machine lacks, installed apart and put on PYTHONPATH (the tuner's tests
+# and the tune step need them; without them tests/tuner fails to collect)
+if compgen -G "${WHEELS:-../.whl}/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-deps --target /tmp/fastopt-wheels "${WHEELS:-../.whl}"/*.whl >> "$OUT/env.log" 2>&1
+    export PYTHONPATH="/tmp/fastopt-wheels${PYTHONPATH:+:$PYTHONPATH}"
+fi
 STEPS=${STEPS:-tests kernels optimize}
 # tests: TEST_WORKERS processes (6: the whole suite in about 150 s at 3caab7a); each failure is
 # written to failures.txt as it happens (bench/pytest_failures.py), a cut run included
@@ -109,6 +117,9 @@ fi
     --json "$OUT/accuracy.json" -- --batch-size 600 --edge-dim 172 --mrr-negatives 0 > "$OUT/accuracy.log" 2>&1
 [[ " $STEPS " == *" pyg "* ]] && timeout "${PYG_S:-480}" python3 bench/pyg_tgn.py --device cuda --epochs 5 --control \
     --seeds ${SEEDS:-0 1 2} --json "$OUT/pyg.json" > "$OUT/pyg.log" 2>&1
+# pygconv: the layer check and timing alone (pygconv.{log,json})
+[[ " $STEPS " == *" pygconv "* ]] && timeout "${PYGCONV_S:-120}" python3 bench/pyg_tgn.py --device cuda --skip-epochs \
+    --iters 200 --warmup 20 --json "$OUT/pygconv.json" > "$OUT/pygconv.log" 2>&1
 # pygap: the layer check and timing, then the AP study: AP_SEEDS (24 seeds) x 3 contenders, 5 epochs,
 # PYG_JOBS (8) processes at a time (pygap.{log,json})
 [[ " $STEPS " == *" pygap "* ]] && timeout "${PYGAP_S:-540}" python3 bench/pyg_tgn.py --device cuda --epochs 5 \
@@ -139,6 +150,7 @@ fi
 [ -f "$OUT/bench.log" ] && grep -E "^(eager|tgl|pyg|compile|fastopt) " "$OUT/bench.log"
 [ -f "$OUT/accuracy.log" ] && tail -16 "$OUT/accuracy.log"
 [ -f "$OUT/pyg.log" ] && tail -12 "$OUT/pyg.log"
+[ -f "$OUT/pygconv.log" ] && grep -E "^(TransformerConv|model)" "$OUT/pygconv.log"
 [ -f "$OUT/pygap.log" ] && grep -E "^(TransformerConv|model| )" "$OUT/pygap.log"
 [ -f "$OUT/kernels.log" ] && { grep -A30 "graph replay" "$OUT/kernels.log"
                                grep -B1 -A12 "copy bandwidth" "$OUT/kernels.log" | head -8; }
