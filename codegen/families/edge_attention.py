@@ -96,19 +96,36 @@ def _check(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, k_index: Optional[Tenso
     return edges
 
 
-def _slot_count(counts: Tensor, rows: int, edges: int, ranged: list) -> Optional[int]:
-    """The slot count ``K`` (the largest of ``counts`` rounded up to a power of two), and with
-    ``config.kernels.check_inputs`` the ranges of ``ranged`` (``(name, index, rows, fix)``), in one
-    host read; None where the padded slots would outnumber the edges :data:`PADDING_LIMIT` times.
-    """
-    return _slots_for(_read_back(counts, ranged), rows, edges)
-
-
 def _slots_for(degree: int, rows: int, edges: int) -> Optional[int]:
-    # slots rounded up to a power of two: the kernels specialize per slot count, and a layer's
-    # largest in-degree changes from call to call
+    """``degree`` (the largest in-degree) rounded up to a power of two, or None where the padded
+    slots would outnumber the edges :data:`PADDING_LIMIT` times."""
+    # a power of two: the kernels specialize per slot count, and a layer's largest in-degree
+    # changes from call to call
     slots = 1 << (degree - 1).bit_length()
     return None if rows * slots > PADDING_LIMIT * (edges + rows) else slots
+
+
+def _degree_read(dst: Tensor, num_dst: int, named: list) -> int:
+    """The largest in-degree of the edges into ``dst`` (at least 1) and, with
+    ``config.kernels.check_inputs``, the ranges of ``named`` (``(name, index, rows, fix)``, dst's
+    own first), in one host read: :func:`degree_stats` counts the degrees and the range of dst
+    and of one more index of the edges' length, in one pass; any further index adds its
+    ``aminmax`` to the read. A range error names the index, its bad value and the fix."""
+    checked = checks.values_checked()
+    others = named[1:] if checked else []
+    beside = bool(others) and others[0][1].numel() == dst.numel() and others[0][1].device == dst.device
+    parts = [degree_stats(dst, num_dst, others[0][1] if beside else None)]
+    rest = others[1:] if beside else others
+    for _, t, _, _ in rest:  # as degree_stats keeps them: max(0, max), max(0, -min)
+        low, high = torch.aminmax(t.long()) if t.numel() else (t.new_zeros((), dtype=torch.long),) * 2
+        parts.append(torch.stack([high.clamp(min=0), (-low).clamp(min=0)]))
+    read = torch.cat(parts).tolist()
+    if checked:
+        pairs = [read[1:3]] + ([read[3:5]] if beside else []) + \
+            [read[5 + 2 * i:7 + 2 * i] for i in range(len(rest))]
+        for (name, _, rows, fix), (high, negative) in zip([named[0]] + others, pairs):
+            _in_range(name, -negative, high, rows, fix)
+    return max(1, read[0])
 
 
 def slot_count(dst: Tensor, num_dst: int, ranged: Sequence[Tuple[str, Tensor, int]] = ()) -> Optional[int]:
@@ -116,48 +133,26 @@ def slot_count(dst: Tensor, num_dst: int, ranged: Sequence[Tuple[str, Tensor, in
     checks ``dst`` and the ``(name, index, rows)`` of ``ranged`` with
     ``config.kernels.check_inputs``), or None where the degrees are so skewed that the segment
     path should run (call without ``slots`` then). Read it before a CUDA graph's capture or
-    replay: the call with ``slots`` reads nothing back.
-
-    With at most one index in ``ranged``, of the edges' length and on their device (a layer's
-    sources), the in-degrees and both ranges come from one pass (:func:`degree_stats`; without
-    ``check_inputs``, destinations outside ``[0, num_dst)`` are left out of the count)."""
+    replay: the call with ``slots`` reads nothing back. Destinations outside ``[0, num_dst)``
+    are left out of the count (an error with ``check_inputs``)."""
     checks.is_tensor("dst", dst)
     checks.has_ndim("dst", dst, 1, "[E], the destination of each edge")
     _check_count("num_dst", num_dst, "pass the number of destination nodes")
     if dst.numel() == 0 or num_dst == 0:
         return 1
+    for name, t, _ in ranged:
+        checks.is_tensor(name, t)
+        if t.dim() != 1 or t.dtype not in checks.INDEX_DTYPES:
+            raise KernelError(f"{name} must be a 1-d int32/int64 index (got {tuple(t.shape)} "
+                              f"{t.dtype}); pass the table row of each edge")
     named = [("dst", dst, num_dst, "edges must point at a destination row")] + \
         [(name, t, rows, f"the table has {rows} rows") for name, t, rows in ranged]
-    if len(ranged) <= 1 and all(t.dim() == 1 and t.numel() == dst.numel() and t.device == dst.device
-                                and t.dtype in checks.INDEX_DTYPES for _, t, _ in ranged):
-        checked = checks.values_checked()
-        stats = degree_stats(dst, num_dst, ranged[0][1] if ranged and checked else None).tolist()
-        if checked:
-            for i, (name, _, rows, fix) in enumerate(named):
-                _in_range(name, -stats[2 + 2 * i], stats[1 + 2 * i], rows, fix)
-        return _slots_for(max(1, stats[0]), num_dst, dst.numel())
-    counts = torch.zeros(num_dst + 1, dtype=torch.int64, device=dst.device)
-    counts.index_add_(0, dst.long().clamp(0, num_dst), torch.ones_like(dst, dtype=torch.int64))
-    return _slot_count(counts[:num_dst], num_dst, dst.numel(), named)
+    return _slots_for(_degree_read(dst, num_dst, named), num_dst, dst.numel())
 
 
 def _check_count(name: str, value, fix: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise KernelError(f"{name} must be an int >= 0 (got {value!r}); {fix}")
-
-
-def _read_back(counts: Tensor, ranged: list) -> int:
-    """The largest of ``counts`` and, with ``config.kernels.check_inputs``, the index ranges, in
-    one host read (a range error names the index, its bad value and the fix)."""
-    checked = checks.values_checked()
-    parts = [counts.max()]
-    if checked:
-        parts += [bound for _, t, _, _ in ranged for bound in torch.aminmax(t)]
-    read = torch.stack([p.to(torch.int64) for p in parts]).tolist()
-    if checked:
-        for i, (name, _, rows, fix) in enumerate(ranged):
-            _in_range(name, read[1 + 2 * i], read[2 + 2 * i], rows, fix)
-    return max(1, read[0])
 
 
 def _in_range(name: str, low: int, high: int, rows: int, fix: str) -> None:
@@ -204,16 +199,16 @@ def edge_attention(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, *,
                               or slots & (slots - 1)):
         raise KernelError(f"slots must be a power of two >= 1 (got {slots!r}); pass the value of "
                           f"edge_slot_count(dst, {rows}), or slots=None to read it here")
-    indptr, perm = edge_csr(dst, rows)
     if slots is None:
-        ranged = [("dst", dst, rows, "q needs one row per destination node")]
+        named = [("dst", dst, rows, "q needs one row per destination node")]
         for name, index, table in (("k_index", k_index, k), ("v_index", v_index, v)):
             if index is not None:
-                ranged.append((name, index, table.shape[0], f"the table has {table.shape[0]} rows"))
-        slots = _slot_count(indptr[1:] - indptr[:-1], rows, edges, ranged)
+                named.append((name, index, table.shape[0], f"the table has {table.shape[0]} rows"))
+        slots = _slots_for(_degree_read(dst, rows, named), rows, edges)
         if slots is None:
             return reference_edge_attention(q, k, v, dst, k_index=k_index, v_index=v_index,
                                             scale=scale, dropout_p=dropout_p, seed=seed)
+    indptr, perm = edge_csr(dst, rows)
     slot_edge = slot_edges(indptr, perm, slots)
     k_slots = slot_edge if k_index is None else k_index[slot_edge]
     v_slots = k_slots if v_index is k_index else (  # one index: one sort of it in the backward

@@ -235,5 +235,11 @@ def test_slot_count_reads_degrees_and_ranges_in_one_pass(device):
     with pytest.raises(KernelError, match=r"edge_index\[0\] holds 9, outside \[0, 4\)"):
         bad = torch.stack([src.clone().index_fill_(0, torch.tensor([3], device=device), 9), dst], 1).t()
         cg.edge_slot_count(bad[1], 4, [("edge_index[0]", bad[0], 4)])
+    # a second index (and one of another length) joins the same read
+    with pytest.raises(KernelError, match=r"b holds 11, outside \[0, 4\)"):
+        cg.edge_slot_count(dst, 4, [("a", src, 4), ("b", src[:2] + 8, 4)])
+    assert cg.edge_slot_count(dst, 4, [("a", src, 4), ("b", src[:2], 4)]) == 4
+    with pytest.raises(KernelError, match=r"a must be a 1-d int32/int64 index"):
+        cg.edge_slot_count(dst, 4, [("a", src.float(), 4)])
     many = torch.zeros(3000, dtype=torch.long, device=device)  # one destination, many programs
     assert cg.edge_slot_count(many, 1) == 4096  # in-degree 3000 counted across three programs
