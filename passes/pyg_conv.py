@@ -24,7 +24,8 @@ layer's draw, scales each edge's values (``sum_e (p_e m_e) v_e = sum_e p_e (m_e 
 trained copy takes the layer's masks and follows its trajectory up to rounding.
 ``TransformerConv`` (one node set) reads its slot count back, then runs the rest on nodes and
 edges padded to :func:`fastopt.runtime.bucket` sizes through a :class:`_TransformerCore` whose
-:class:`~fastopt.runtime.GraphRunner` replays one CUDA graph pair per padded size: at a PyG
+:class:`~fastopt.runtime.GraphRunner` replays one CUDA graph pair per padded size (the runner
+writes each call's rows and padding into the graph's inputs and trims the output): at a PyG
 example's sizes the layer's ~70 launches cost more host time than its kernels take. As the fx
 rewrites do, on the CPU with ``kernels.backend="auto"`` the layer runs its own code (faster there
 than the operators' references); ``"reference"`` runs the fused path's references there.
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,7 @@ from fastopt import codegen
 from fastopt.config import default_config
 from fastopt.passes.module_rewrite import ModuleReplacement, ModuleRewrite, shared_copy
 from fastopt.runtime import GraphCapture, GraphRunner, bucket
+from fastopt.runtime.padding import RowPad, constant_rows
 
 __all__ = ["FuseTransformerConv", "FuseGatConv", "FuseGatv2Conv", "pyg_conv_classes"]
 
@@ -239,48 +241,14 @@ def _padded_call(layer: nn.Module, x: Tensor, src: Tensor, dst: Tensor,
     past the last), which leaves them out of every softmax: they change no value or gradient."""
     rows, edges = x.shape[0], src.numel()
     # the loader's sizes: four per power of two, so that calls of similar size share graphs
-    padded_rows, extra = bucket(rows, 1), bucket(edges, 1) - edges
-    args = (pad_rows(x, padded_rows - rows), pad_rows(src, extra), pad_rows(dst, extra, padded_rows),
-            None if edge_attr is None else pad_rows(edge_attr, extra),
-            None if mask is None else pad_rows(mask, extra), slots)
+    padded_rows, padded_edges = bucket(rows, 1), bucket(edges, 1)
+    on_edges = RowPad(padded_edges)
+    args = (x, src, dst, edge_attr, mask, slots)
+    pads = (RowPad(padded_rows), on_edges, RowPad(padded_edges, padded_rows),
+            None if edge_attr is None else on_edges, None if mask is None else on_edges)
     core, runner = layer.__dict__["_fastopt_core"], layer.__dict__["_fastopt_core_runner"]
-    return runner(core, core.forward, args, {})[:rows]
-
-
-_FILLS: Dict[tuple, Tensor] = {}
-_RETIRED: list = []  # buffers a growth replaced: work queued on another stream may still read them
-
-
-def constant_rows(rows: int, shape: Tuple[int, ...], value: int, like: Tensor) -> Tensor:
-    """``[rows, *shape]`` filled with ``value`` in ``like``'s dtype and device, never to be
-    written: a view of a buffer kept per device, dtype and value (grown when a call needs more),
-    so that a call pays no fill launch for its constants.
-
-    Buffers live for the process (a growth doubles, so a value's buffers total at most twice its
-    largest); a value per padded destination count (four per power of two). Not to be called
-    while a CUDA graph is being captured: a growth synchronizes the stream."""
-    width = 1
-    for s in shape:
-        width *= s
-    key = (like.device, like.dtype, value)
-    fill = _FILLS.get(key)
-    if fill is None or fill.numel() < rows * width:
-        if fill is not None:
-            _RETIRED.append(fill)
-        fill = torch.full((2 * rows * width,), value, dtype=like.dtype, device=like.device)
-        if fill.is_cuda:  # later calls may read it from another stream
-            torch.cuda.current_stream(fill.device).synchronize()
-        _FILLS[key] = fill
-    return fill[:rows * width].view(rows, *shape)
-
-
-def pad_rows(t: Tensor, extra: int, value: int = 0) -> Tensor:
-    """``t`` with ``extra`` rows of ``value`` appended: one ``cat`` with :func:`constant_rows`,
-    where ``F.pad`` allocates, fills and copies (two launches, at the host cost of three
-    operations)."""
-    if extra == 0:
-        return t
-    return torch.cat([t, constant_rows(extra, tuple(t.shape[1:]), value, t)])
+    # the runner writes the rows and the padding into the graph's inputs and trims the output
+    return runner(core, core.forward, args, {}, pads=pads, out_rows=rows)
 
 
 class _TransformerCore(nn.Module):

@@ -18,7 +18,8 @@ its replay (used by :class:`~fastopt.runtime.graphs.GraphRunner`).
   values (:func:`replayable_writes`). Any other write, and a forward that writes into its
   inputs, makes the capture fail with :class:`Uncapturable`.
 
-Layering: imports nothing of fastopt but :mod:`fastopt.errors`.
+Layering: imports nothing of fastopt but :mod:`fastopt.errors` (and the runtime's flatten and
+padding helpers).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch.autograd.function import once_differentiable
 
 from fastopt.errors import TraceError
 from fastopt.runtime.flatten import flatten, unflatten
+from fastopt.runtime.padding import RowPad, constant_rows
 
 __all__ = ["GraphPair", "Uncapturable", "WARMUP_CALLS", "replayable_writes", "end_generator_capture"]
 
@@ -311,18 +313,62 @@ class GraphPair:
         token = self._pending() if self._pending is not None else None
         return token is not None and not token.done
 
-    def run(self, tensors: Sequence[Tensor]) -> Any:
+    def run(self, tensors: Sequence[Tensor], pads: Optional[Sequence[Optional[RowPad]]] = None,
+            out_rows: Optional[int] = None) -> Any:
+        """Replay on ``tensors``; with ``pads`` (one per tensor, None where unpadded) each padded
+        tensor's rows and its padding are written into the static input (one copy list per
+        kind), and with ``out_rows`` every output is trimmed to its first ``out_rows`` rows
+        (the backward pads their gradients with zeros and trims the inputs' gradients)."""
         with torch.no_grad():
-            _copy_grouped(self.static_inputs, tensors, self.input_groups)
+            if pads is None:
+                _copy_grouped(self.static_inputs, tensors, self.input_groups)
+            else:
+                _copy_padded(self.static_inputs, tensors, pads, self.input_groups)
         # launched first: the device runs the forward while the host builds the autograd node
         self.fwd.replay()
         self.redo_writes()
         self.generation += 1
         if self.bwd is None:
-            return unflatten(self.out_spec, [o.clone() for o in self.static_outputs])
+            return unflatten(self.out_spec, [_first_rows(o, out_rows).clone()
+                                             for o in self.static_outputs])
         grad_inputs = [t for t, s in zip(tensors, self.static_inputs) if s.requires_grad]
-        outs = _Replay.apply(self, *grad_inputs, *self.params)
+        rows = [None] * self.surface_size
+        if pads is not None:
+            padded = [p is not None for p, s in zip(pads, self.static_inputs) if s.requires_grad]
+            rows[:len(grad_inputs)] = [t.shape[0] if p else None for t, p in zip(grad_inputs, padded)]
+        outs = _Replay.apply(self, (rows, out_rows), *grad_inputs, *self.params)
         return unflatten(self.out_spec, list(outs))
+
+
+def _first_rows(t: Tensor, rows: Optional[int]) -> Tensor:
+    return t if rows is None else t[:rows]
+
+
+def _copy_padded(static: Sequence[Tensor], fresh: Sequence[Tensor],
+                 pads: Sequence[Optional[RowPad]], groups) -> None:
+    """:func:`_copy_grouped` where ``fresh[i]`` fills the first rows of ``static[i]`` and the
+    rest are ``pads[i].value`` (read from :func:`constant_rows`), one copy list per kind."""
+    for members, positions in groups:
+        into, read = [], []
+        for s, i in zip(members, positions):
+            t, pad = fresh[i], pads[i]
+            if pad is None:
+                into.append(s)
+                read.append(t)
+                continue
+            _pad_into(s, t, pad.value, into, read)
+        torch._foreach_copy_(into, read)
+
+
+def _pad_into(s: Tensor, t: Tensor, value: int, into: list, read: list) -> None:
+    """Append to the copy lists: ``t`` into the first rows of ``s``, ``value`` into the rest."""
+    n = t.shape[0]
+    if n:
+        into.append(s[:n])
+        read.append(t)
+    if n < s.shape[0]:
+        into.append(s[n:])
+        read.append(constant_rows(s.shape[0] - n, tuple(s.shape[1:]), value, s))
 
 
 def _by_kind(tensors: Sequence[Optional[Tensor]]) -> List[Tuple[List[Tensor], List[int]]]:
@@ -360,15 +406,16 @@ def _flat_groups(grads: Sequence[Optional[Tensor]]) -> list:
 
 
 class _Replay(torch.autograd.Function):
-    """Forward: the outputs of the forward graph :meth:`GraphPair.run` has just replayed.
-    Backward: replay the backward graph."""
+    """Forward: the outputs of the forward graph :meth:`GraphPair.run` has just replayed (their
+    first ``out_rows`` rows where it trims). Backward: replay the backward graph."""
 
     @staticmethod
-    def forward(ctx, graphs: GraphPair, *surface: Tensor):
+    def forward(ctx, graphs: GraphPair, trim: tuple, *surface: Tensor):
         token = _Backward()
         graphs._pending = weakref.ref(token)
         ctx.graphs, ctx.generation, ctx.token = graphs, graphs.generation, token
-        outs = tuple(o.clone() for o in graphs.static_outputs)
+        ctx.rows, ctx.out_rows = trim
+        outs = tuple(_first_rows(o, ctx.out_rows).clone() for o in graphs.static_outputs)
         ctx.mark_non_differentiable(*(o for o, d in zip(outs, graphs.differentiable) if not d))
         return outs
 
@@ -384,11 +431,18 @@ class _Replay(torch.autograd.Function):
                 "retain_graph, or set config.passes.cuda_graphs='off'")
         diff = [g for g, d in zip(grad_outputs, graphs.differentiable) if d]
         with torch.no_grad():
-            _copy_grouped(graphs.static_grad_outputs, diff, graphs.grad_output_groups)
+            if ctx.out_rows is None:
+                _copy_grouped(graphs.static_grad_outputs, diff, graphs.grad_output_groups)
+            else:  # the trimmed rows' gradients are zero
+                for members, positions in graphs.grad_output_groups:
+                    into, read = [], []
+                    for s, i in zip(members, positions):
+                        _pad_into(s, diff[i], 0, into, read)
+                    torch._foreach_copy_(into, read)
         graphs.bwd.replay()
         ctx.token.done = True
         grads: List[Optional[Tensor]] = [None] * graphs.surface_size
         for flat, positions, sizes, shapes in graphs.grad_groups:
             for i, piece, shape in zip(positions, flat.clone().split(sizes), shapes):
-                grads[i] = piece.view(shape)
-        return (None, *grads)
+                grads[i] = piece.view(shape) if ctx.rows[i] is None else piece.view(shape)[:ctx.rows[i]]
+        return (None, None, *grads)

@@ -38,6 +38,8 @@ up to date.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import operator
 import threading
 from collections import OrderedDict
@@ -49,7 +51,8 @@ from torch import Tensor, nn
 
 from fastopt.config import default_config
 from fastopt.runtime.capture import GraphPair, Uncapturable, end_generator_capture
-from fastopt.runtime.flatten import flatten
+from fastopt.runtime.flatten import flatten, unflatten
+from fastopt.runtime.padding import RowPad, pad_rows
 
 __all__ = [
     "capturing",
@@ -87,16 +90,21 @@ def _config_key() -> tuple:
 
 
 def call_signature(module: nn.Module, spec: tuple, tensors: Sequence[Tensor],
-                   modules: Optional[Sequence[nn.Module]] = None) -> tuple:
+                   modules: Optional[Sequence[nn.Module]] = None,
+                   pads: Optional[Sequence[Optional[RowPad]]] = None) -> tuple:
     """The key of the graph pair that serves a call of ``module`` (see the module docstring).
 
-    ``modules`` is ``list(module.modules())`` where the caller holds it already.
+    ``modules`` is ``list(module.modules())`` where the caller holds it already; ``pads`` (one
+    per tensor) keys padded tensors by their padded shape.
 
     Raises:
         Uncapturable: A constant argument is not hashable.
     """
     modules = module.modules() if modules is None else modules
-    key = (spec, tuple(_tensor_meta(t) for t in tensors),
+    metas = tuple(map(_tensor_meta, tensors)) if pads is None else tuple(
+        _tensor_meta(t) if p is None else (p.shape(t),) + _tensor_meta(t)[1:]
+        for t, p in zip(tensors, pads))
+    key = (spec, metas,
            tuple(m.training for m in modules), torch.is_grad_enabled(),
            torch.is_inference_mode_enabled(), torch.is_autocast_enabled(), _config_key())
     try:
@@ -221,30 +229,44 @@ class GraphRunner:
         self._graphs.clear()
         self.record.state, self.record.reason, self.record.graphs = "not captured", reason, 0
 
-    def __call__(self, module: nn.Module, plain, args: tuple, kwargs: dict):
+    def __call__(self, module: nn.Module, plain, args: tuple, kwargs: dict,
+                 pads: Sequence[Optional[RowPad]] = (), out_rows: Optional[int] = None):
+        """``plain(*args, **kwargs)``, replayed from the graph pair of its signature where one is
+        held (captured as the module docstring says).
+
+        ``pads`` (one per positional argument, None for those left as they are) pads tensor
+        arguments along their first dimension (:class:`~fastopt.runtime.padding.RowPad`): the
+        graph is keyed and captured on the padded shapes, and a replay writes each call's rows and
+        the padding straight into its static inputs. ``out_rows`` trims every output to its first
+        rows. Calls that do not replay pad and trim the same way around ``plain``."""
+        if pads or out_rows is not None:
+            fallback = functools.partial(_padded_call, plain, pads, out_rows)
+        else:
+            fallback = plain
         mode = self._option("cuda_graphs")
         if mode == "off":
             self.record.state, self.record.reason = "off", "config.passes.cuda_graphs = 'off'"
-            return plain(*args, **kwargs)
+            return fallback(*args, **kwargs)
         # inside any capture (a runner's warm-ups or an enclosing whole-step graph) run the plain code
         if self._off is not None or capturing() or torch.compiler.is_compiling():
-            return plain(*args, **kwargs)
+            return fallback(*args, **kwargs)
         if self._verifying:
             if any(m.__dict__.get("_fastopt_verify", 0) > 0 for m in self._verifying):
-                return plain(*args, **kwargs)
+                return fallback(*args, **kwargs)
             self._verifying = []
         tensors, spec = flatten((args, kwargs))
+        row_pads = _row_pads(args, pads, tensors) if pads else None
         where = _where_tensors_are(tensors)
         if where is not None:
             if self.record.state != "captured":
                 self.record.state, self.record.reason = "not captured", where
-            return plain(*args, **kwargs)
+            return fallback(*args, **kwargs)
         state = self._module_state.key(module)
         try:
-            key = call_signature(module, spec, tensors, self._module_state.modules)
+            key = call_signature(module, spec, tensors, self._module_state.modules, row_pads)
         except Uncapturable as exc:
             self.record.reason = str(exc)
-            return plain(*args, **kwargs)
+            return fallback(*args, **kwargs)
         if state != self._state:
             self._graphs.clear()
             self._state = state
@@ -254,10 +276,11 @@ class GraphRunner:
                 self._seen[key] = None
                 while len(self._seen) > 4 * self._option("max_graphs"):
                     self._seen.popitem(last=False)
-                return plain(*args, **kwargs)
-            graphs = self._capture(module, plain, spec, tensors)
+                return fallback(*args, **kwargs)
+            graphs = self._capture(module, plain, spec, tensors if row_pads is None else
+                                   [_padded(t, p) for t, p in zip(tensors, row_pads)])
             if graphs is None:
-                return plain(*args, **kwargs)
+                return fallback(*args, **kwargs)
             self._graphs[key] = graphs
             while len(self._graphs) > self._option("max_graphs"):
                 self._graphs.popitem(last=False)
@@ -266,8 +289,8 @@ class GraphRunner:
         else:
             self._graphs.move_to_end(key)
         if graphs.pending():
-            return plain(*args, **kwargs)
-        return graphs.run(tensors)
+            return fallback(*args, **kwargs)
+        return graphs.run(tensors, row_pads, out_rows)
 
     def _capture(self, module: nn.Module, plain, spec: tuple,
                  tensors: Sequence[Tensor]) -> Optional[GraphPair]:
@@ -290,6 +313,36 @@ class GraphRunner:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else ""
+
+
+def _padded(t: Tensor, pad: Optional[RowPad]) -> Tensor:
+    if pad is None:
+        return t
+    pad.check(t)
+    return pad_rows(t, pad.rows - t.shape[0], pad.value)
+
+
+def _row_pads(args: tuple, pads: Sequence[Optional[RowPad]], tensors: Sequence[Tensor]) -> list:
+    """The :class:`RowPad` of each flattened tensor (None where unpadded), checked."""
+    by_id = {}
+    for a, pad in zip(args, pads):
+        if pad is not None:
+            if not isinstance(a, Tensor):
+                raise ValueError(f"a RowPad was given for a {type(a).__name__} argument; pad "
+                                 f"tensor arguments only")
+            pad.check(a)
+            by_id[id(a)] = pad
+    return [by_id.get(id(t)) for t in tensors]
+
+
+def _padded_call(plain, pads: Sequence[Optional[RowPad]], out_rows: Optional[int], *args, **kwargs):
+    """``plain`` on padded arguments, its outputs trimmed: a call the runner does not replay."""
+    padded = [_padded(a, pad) for a, pad in itertools.zip_longest(args, pads[:len(args)])]
+    out = plain(*padded, **kwargs)
+    if out_rows is None:
+        return out
+    tensors, spec = flatten(out)
+    return unflatten(spec, [t[:out_rows] for t in tensors])
 
 
 # ----------------------------------------------------------------------------------------------

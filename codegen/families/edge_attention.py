@@ -119,7 +119,7 @@ def _degree_read(dst: Tensor, num_dst: int, named: list) -> int:
     for _, t, _, _ in rest:  # as degree_stats keeps them: max(0, max), max(0, -min)
         low, high = torch.aminmax(t.long()) if t.numel() else (t.new_zeros((), dtype=torch.long),) * 2
         parts.append(torch.stack([high.clamp(min=0), (-low).clamp(min=0)]))
-    read = torch.cat(parts).tolist()
+    read = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
     if checked:
         pairs = [read[1:3]] + ([read[3:5]] if beside else []) + \
             [read[5 + 2 * i:7 + 2 * i] for i in range(len(rest))]

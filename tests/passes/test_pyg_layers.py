@@ -298,7 +298,7 @@ def test_transformer_conv_pads_to_shared_bucket_sizes(reference_backend):
 def test_pad_rows_appends_constant_rows_from_a_kept_buffer():
     """``pad_rows`` gives ``F.pad``'s result (rows of a value appended, dtype and trailing shape
     kept), gradients included, and its constant buffer grows without changing what it holds."""
-    from fastopt.passes.pyg_conv import pad_rows
+    from fastopt.runtime.padding import pad_rows
 
     x = torch.randn(5, 3, 2, requires_grad=True)
     got = pad_rows(x, 4)
@@ -333,3 +333,34 @@ def test_transformer_conv_replays_one_captured_graph_for_calls_of_one_size():
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     record = fast.__dict__["_fastopt_core_runner"].record
     assert record.state == "captured" and record.captures == 1, record
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_transformer_conv_calls_of_changing_size_share_a_graph_and_stay_exact():
+    """Calls of 13 or 14 nodes and 57 to 64 edges (largest in-degree 5) pad to one bucket and
+    replay one graph pair:
+    each call's rows and padding are written into the graph's inputs, so the rows a larger
+    earlier call left there change nothing: outputs, input and parameter gradients as PyG's."""
+    torch.manual_seed(0)
+    layer = TransformerConv(IN, 6, heads=2, edge_dim=EDGE_DIM).cuda().train()  # dropout 0
+    original = copy.deepcopy(layer)
+    fast = fastopt.optimize(layer)
+    with fconfig.patch(passes__cuda_graphs="on"):
+        for i, (nodes, edges) in enumerate([(14, 64), (13, 57), (13, 60), (14, 64), (14, 58)]):
+            g = torch.Generator().manual_seed(i)
+            dst = torch.arange(edges)[torch.randperm(edges, generator=g)] % nodes
+            edge_index = torch.stack([torch.randint(0, nodes, (edges,), generator=g), dst]).cuda()
+            x = torch.randn(nodes, IN, generator=g).cuda()
+            edge_attr = torch.randn(edges, EDGE_DIM, generator=g).cuda()
+            grad = torch.randn(nodes, 12, generator=g).cuda()
+            want, want_grads = _run(original, *_leaves(x, edge_attr)[:1], edge_index,
+                                    _leaves(x, edge_attr)[1], grad)
+            got, got_grads = _run(fast, *_leaves(x, edge_attr)[:1], edge_index,
+                                  _leaves(x, edge_attr)[1], grad)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            for a, b in zip(got_grads, want_grads):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    runner = fast.__dict__["_fastopt_core_runner"]
+    assert runner.record.captures == 1 and runner.held == 1, runner.record

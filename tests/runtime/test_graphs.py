@@ -20,6 +20,7 @@ from fastopt.runtime import capture, graphs
 from fastopt.runtime.capture import Uncapturable
 from fastopt.runtime.flatten import flatten, unflatten
 from fastopt.runtime.graphs import call_signature
+from fastopt.runtime.padding import RowPad
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -164,10 +165,13 @@ class _FakeGraphs:
     def pending(self):
         return self.busy
 
-    def run(self, tensors):
+    def run(self, tensors, pads=None, out_rows=None):
         self.replays += 1
+        if pads is not None:  # what the real pair's static inputs hold: rows, then padding
+            tensors = [graphs._padded(t, p) for t, p in zip(tensors, pads)]
         args, kwargs = unflatten(self.spec, tensors)
-        return self.plain(*args, **kwargs)
+        out = self.plain(*args, **kwargs)
+        return out if out_rows is None else out[:out_rows]
 
 
 @pytest.fixture
@@ -315,6 +319,45 @@ def test_a_forward_reading_its_own_earlier_write_fails_during_capture():
         torch.cat([state, torch.ones(2)])
 
 
+def _row_sums(x, index):
+    """A row-wise function of padded rows (padding rows give padding outputs)."""
+    return x * 2 + index.unsqueeze(-1)
+
+
+def test_padded_calls_share_one_graph_and_are_trimmed(fake_capture):
+    """With ``pads`` a call is keyed and captured on its padded shapes, so calls of different
+    row counts padded alike share one graph pair; outputs are trimmed to ``out_rows`` and equal
+    the unpadded call; calls that run uncaptured pad and trim the same way."""
+    runner = graphs.GraphRunner(graphs.GraphCapture("layer"))
+    module = nn.Identity()
+    pads = (RowPad(8), RowPad(8, 3))
+    with patch(passes__cuda_graphs="on"):
+        for rows in (5, 7, 6):
+            x, index = torch.randn(rows, 4), torch.arange(rows)
+            out = runner(module, _row_sums, (x, index), {}, pads=pads, out_rows=rows)
+            torch.testing.assert_close(out, _row_sums(x, index))
+    assert fake_capture.captured == [((8, 4), (8,))] and runner.held == 1
+    assert next(iter(runner._graphs.values())).replays == 3
+    x, index = torch.randn(3, 4), torch.arange(3)
+    with patch(passes__cuda_graphs="off"):  # uncaptured: padded around the plain call, trimmed
+        torch.testing.assert_close(runner(module, _row_sums, (x, index), {}, pads=pads, out_rows=3),
+                                   _row_sums(x, index))
+    with pytest.raises(ValueError, match="cannot be padded to 8 rows"):
+        runner(module, _row_sums, (torch.randn(9, 4), torch.arange(9)), {}, pads=pads)
+
+
+def test_padded_copies_write_rows_then_padding_in_one_list_per_kind():
+    """A padded replay's input copy: each call's rows, then the pad value over the rest of the
+    static buffer (stale rows of a larger earlier call overwritten), one copy list per dtype."""
+    static = [torch.full((6, 2), 9.0), torch.full((6,), 9, dtype=torch.int64), torch.zeros(3)]
+    fresh = [torch.ones(4, 2), torch.arange(2), torch.randn(3)]
+    capture._copy_padded(static, fresh, [RowPad(6), RowPad(6, 5), None],
+                         capture._copy_groups(static))
+    assert torch.equal(static[0], torch.cat([torch.ones(4, 2), torch.zeros(2, 2)]))
+    assert static[1].tolist() == [0, 1, 5, 5, 5, 5]
+    assert torch.equal(static[2], fresh[2])
+
+
 def test_runner_passes_through_while_verify_calls_are_pending(fake_capture):
     torch.manual_seed(0)
     fast = fastopt.optimize(TemporalAttention(8, 4, 6, 8, dropout=0.0), verify=True)
@@ -405,6 +448,32 @@ def test_input_gradients_and_accumulation_match_eager():
         torch.testing.assert_close(got[0][n], want[0][n], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
     assert fast.fastopt_report.captured_modules() == ["<root>"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_padded_replays_of_changing_sizes_equal_eager():
+    """One graph pair serves calls of 9 to 16 rows padded to 16: outputs, input gradients and
+    parameter gradients (the bias sums over rows: a stale padding row would show) equal eager."""
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 3).cuda()
+    runner = graphs.GraphRunner(graphs.GraphCapture("linear"))
+    with patch(passes__cuda_graphs="on"):
+        for rows in (16, 9, 13, 16, 10):
+            x = torch.randn(rows, 5, device="cuda", requires_grad=True)
+            grad = torch.randn(rows, 3, device="cuda")
+            layer.zero_grad(set_to_none=True)
+            layer(x).backward(grad)
+            want = [x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone()]
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+            out = runner(layer, layer.forward, (x,), {}, pads=(RowPad(16),), out_rows=rows)
+            assert out.shape == (rows, 3)
+            torch.testing.assert_close(out, layer(x), rtol=1e-5, atol=1e-6)
+            out.backward(grad)
+            for a, b in zip([x.grad, layer.weight.grad, layer.bias.grad], want):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert runner.held == 1 and runner.record.captures == 1
 
 
 @pytest.mark.gpu
