@@ -124,7 +124,11 @@ def _time_convs(convs, inputs, args, device) -> list:
     """Median milliseconds of forward+backward in training mode of each layer of ``convs``, their
     steps taking turns (the order alternating from one round to the next), so that a change in
     the machine's speed during the run moves every layer's figure alike; node and edge features
-    require gradients, as the memory's output and the time encoding do in the example."""
+    require gradients, as the memory's output and the time encoding do in the example.
+
+    Each entry is ``(step_ms, phases)``, ``phases`` the median microseconds until the forward
+    call returned, until ``backward()`` returned and waiting for the device after it: where the
+    step's time goes (host work or device work left when the host is done)."""
     x, edge_index, edge_attr = inputs
     x, edge_attr = x.detach().requires_grad_(), edge_attr.detach().requires_grad_()
     times = [[] for _ in convs]
@@ -139,12 +143,20 @@ def _time_convs(convs, inputs, args, device) -> list:
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             out = convs[j](x, edge_index, edge_attr)
+            t1 = time.perf_counter()
             out.sum().backward()
+            t2 = time.perf_counter()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if i >= args.warmup:
-                times[j].append(time.perf_counter() - t0)
-    return [statistics.median(t) * 1e3 for t in times]
+                times[j].append((time.perf_counter() - t0, t1 - t0, t2 - t1, time.perf_counter() - t2))
+    result = []
+    for t in times:
+        step = statistics.median(s[0] for s in t) * 1e3
+        phases = {name: statistics.median(s[k] for s in t) * 1e6
+                  for k, name in enumerate(("forward_us", "backward_us", "device_wait_us"), 1)}
+        result.append((step, phases))
+    return result
 
 
 def _profile_conv(conv, inputs, args, device, label: str) -> None:
@@ -251,11 +263,19 @@ def _ap_study(args) -> dict:
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     jobs = [{"args": vars(args), "label": label, "seed": seed, "threads": threads}
             for seed in args.ap_seeds for label in labels]
+    results = []
+
+    def keep(run: dict) -> None:  # one line per run as it ends: a run cut short keeps them
+        results.append(run)
+        print(f"  run {run['label']:12s} seed {run['seed']:3d}: test AP {run['test_ap']:.4f}", flush=True)
+
     if args.jobs == 1:
-        results = [_ap_run(job) for job in jobs]
+        for job in jobs:
+            keep(_ap_run(job))
     else:  # spawned: CUDA cannot be used in a forked child
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results = list(pool.map(_ap_run, jobs))
+            for run in pool.map(_ap_run, jobs):
+                keep(run)
     ap = {label: {r["seed"]: r["test_ap"] for r in results if r["label"] == label} for label in labels}
     out = {"seeds": list(args.ap_seeds), "epochs": args.epochs, "jobs": args.jobs, "runs": results,
            "fastopt_minus_pyg": _paired_gap(ap, "fastopt", args.ap_seeds),
@@ -340,10 +360,14 @@ def main(argv=None) -> int:
           f"{'ok' if bad is None else 'FAILED: ' + bad}; largest difference {largest:.3g}")
     failed = not check["ok"] or bad is not None
     if not failed:
-        conv["eager_ms"], conv["fastopt_ms"] = _time_convs([eager, fast], inputs, args, device)
+        (conv["eager_ms"], conv["eager_phases"]), (conv["fastopt_ms"], conv["fastopt_phases"]) = \
+            _time_convs([eager, fast], inputs, args, device)
         conv["speedup"] = conv["eager_ms"] / conv["fastopt_ms"]
         print(f"TransformerConv forward+backward: eager {conv['eager_ms']:.3f} ms, fastopt "
               f"{conv['fastopt_ms']:.3f} ms ({conv['speedup']:.2f}x)")
+        for name in ("eager", "fastopt"):
+            print(f"  {name} step, median us: " + ", ".join(
+                f"{k[:-3].replace('_', ' ')} {v:.0f}" for k, v in conv[f"{name}_phases"].items()))
         if args.profile_conv:
             for label, layer in (("eager", eager), ("fastopt", fast)):
                 _profile_conv(layer, inputs, args, device, label)
