@@ -267,6 +267,10 @@ class TunerConfig:
     steps_per_trial: int = 50
     # training steps run before the timed ones in each trial (warm-up: compiles, captures, caches)
     warmup_steps: int = 5
+    # wall seconds a trial may take (build, check, warm-up and window); a trial past it is pruned
+    # with the reason, so that one config compiling or capturing for minutes cannot eat a
+    # study's time (0 = no limit)
+    trial_seconds: float = 60.0
     # share of a new study's trials that first vary one knob of the baseline each (the rest: TPE)
     neighbor_share: float = 0.5
     # tuning records config="auto" reads before the ones shipped in the package ("" = shipped only)
@@ -449,6 +453,8 @@ class Config:
         _check(self.tuner.trials >= 1, "tuner.trials", self.tuner.trials, ">= 1")
         _check(self.tuner.steps_per_trial >= 1, "tuner.steps_per_trial", self.tuner.steps_per_trial, ">= 1")
         _check(self.tuner.warmup_steps >= 0, "tuner.warmup_steps", self.tuner.warmup_steps, ">= 0")
+        _check(self.tuner.trial_seconds >= 0, "tuner.trial_seconds", self.tuner.trial_seconds,
+               ">= 0 (0 = no limit)")
         _check(0 <= self.tuner.neighbor_share <= 1, "tuner.neighbor_share", self.tuner.neighbor_share,
                "between 0 and 1 (0: TPE alone after the baseline)")
 

@@ -43,6 +43,8 @@ def add_tune(sub, add_run_flags: Callable, build_config: Callable) -> None:
                    help="device memory a trial may hold (CUDA); trials above it are pruned")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per trial (default 5)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per trial (default 50)")
+    p.add_argument("--trial-seconds", type=float, default=None, metavar="S",
+                   help="wall seconds one trial may take, or it is pruned (default 60; 0 = no limit)")
     p.add_argument("--out", default=None,
                    help="folder for the record (default tuner.records_dir, else the working directory)")
     p.add_argument("--no-progress", action="store_true",
@@ -76,7 +78,8 @@ def add_configs(sub) -> None:
 
 
 # tune's flags setting tuner config values: flag attribute -> field
-_TUNER_FLAGS = {"trials": "trials", "storage": "storage", "warmup": "warmup_steps", "steps": "steps_per_trial"}
+_TUNER_FLAGS = {"trials": "trials", "storage": "storage", "warmup": "warmup_steps", "steps": "steps_per_trial",
+                "trial_seconds": "trial_seconds"}
 
 
 def _cmd_tune(args, build_config: Callable) -> int:
@@ -105,7 +108,7 @@ def _cmd_tune(args, build_config: Callable) -> int:
           flush=True)
     run = tune(graph, args.model, cfg, trials=tu.trials, timeout=args.timeout, storage=tu.storage,
                study_name=args.study_name, batch_sizes=sizes, max_device_memory=limit,
-               window=Window(tu.warmup_steps, tu.steps_per_trial), say=lambda line: print(line, flush=True),
+               window=Window.of(cfg), say=lambda line: print(line, flush=True),
                progress=not args.no_progress)
     record = run.record or record_from_study(run.study)  # raises, naming why no trial completed
     path = record.save(args.out or tu.records_dir or ".")

@@ -41,22 +41,43 @@ from fastopt.config import Config
 from fastopt.errors import ConfigError, FastOptError
 from fastopt.tuner.space import SearchSpace
 
-__all__ = ["Measurement", "StepObjective", "Window", "check_against_eager", "measure_window",
-           "device_memory_limit", "release"]
+__all__ = ["Measurement", "StepObjective", "TrialTimeout", "Window", "check_against_eager",
+           "measure_window", "device_memory_limit", "release"]
 
 
 @dataclass(frozen=True)
 class Window:
-    """How much of the training loop a trial runs: ``warmup`` untimed steps, then ``timed``."""
+    """How much of the training loop a trial runs: ``warmup`` untimed steps, then ``timed``;
+    ``seconds`` the wall time a whole trial may take (0: no limit)."""
 
     warmup: int = 5
     timed: int = 50
+    seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if self.warmup < 0 or self.timed < 1:
             raise ConfigError(f"a trial's window needs warmup >= 0 and timed >= 1 steps (got "
                               f"warmup={self.warmup}, timed={self.timed}); set tuner.warmup_steps "
                               f"and tuner.steps_per_trial")
+        if not self.seconds >= 0:
+            raise ConfigError(f"a trial's time limit must be >= 0 seconds (got {self.seconds}); set "
+                              f"tuner.trial_seconds (0 = no limit)")
+
+    @classmethod
+    def of(cls, config: Config) -> "Window":
+        """The window ``config.tuner`` describes."""
+        tu = config.tuner
+        return cls(tu.warmup_steps, tu.steps_per_trial, tu.trial_seconds)
+
+
+class TrialTimeout(FastOptError):
+    """A trial ran past its time limit (:attr:`Window.seconds`)."""
+
+
+def _check_deadline(deadline: Optional[float], window: Window, where: str) -> None:
+    if deadline is not None and time.perf_counter() > deadline:
+        raise TrialTimeout(f"the trial took more than {window.seconds:g} s ({where}); raise "
+                           f"tuner.trial_seconds to let such configs finish")
 
 
 @dataclass
@@ -107,7 +128,8 @@ class _Marks:
 
 
 def measure_window(trainer, window: Window,
-                   checkpoint: Optional[Callable[[int, float], None]] = None) -> Measurement:
+                   checkpoint: Optional[Callable[[int, float], None]] = None,
+                   deadline: Optional[float] = None) -> Measurement:
     """Run ``window.warmup`` then ``window.timed`` training steps of ``trainer``'s first epoch and
     time them (fewer timed steps when the epoch is shorter).
 
@@ -119,9 +141,11 @@ def measure_window(trainer, window: Window,
             batch sizes are compared by epoch, not by step;
             it may raise (:class:`optuna.TrialPruned`) to stop the window. On CUDA the step after
             it is left out: it holds the synchronize that reading the events needed.
+        deadline: ``time.perf_counter()`` value after which the next step raises.
 
     Raises:
         ConfigError: the training split has no batch left to time after the warm-up.
+        TrialTimeout: a step ended after ``deadline``.
     """
     batches = trainer.loader.num_batches("train")
     timed = min(window.timed, batches - window.warmup)
@@ -138,6 +162,8 @@ def measure_window(trainer, window: Window,
         marks.mark()  # the first step is timed from here
     with contextlib.closing(trainer.train_steps(epoch=0)) as losses:
         for i, _loss in enumerate(losses):
+            _check_deadline(deadline, window, f"in its warm-up, step {i + 1}" if i + 1 < window.warmup
+                            else f"after {i + 1 - window.warmup} timed steps")
             if i + 1 < window.warmup:
                 continue
             marks.mark()  # the last warm-up step's mark starts the timing
@@ -249,6 +275,7 @@ class StepObjective:
         trainer, self._trainer = None, lambda: None
         phases: Dict[str, float] = {}  # wall seconds per part of the trial: where its time goes
         clock = time.perf_counter()
+        deadline = clock + self.window.seconds if self.window.seconds else None
         try:
             config = self.space.apply(self.config, values)
             trainer = self.make_trainer(config)
@@ -261,7 +288,9 @@ class StepObjective:
                 if self.check is not None:
                     trial.set_user_attr("verified", self.check(trainer))
                     phases["check"], clock = time.perf_counter() - clock, time.perf_counter()
-                result = measure_window(trainer, self.window, lambda step, value: _prune_if_slow(trial, step, value))
+                    _check_deadline(deadline, self.window, "building and checking it")
+                result = measure_window(trainer, self.window, lambda step, value: _prune_if_slow(trial, step, value),
+                                        deadline)
             phases["warmup"] = result.warmup_seconds
             phases["window"] = time.perf_counter() - clock - result.warmup_seconds
             self._check_memory(result)

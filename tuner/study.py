@@ -88,7 +88,8 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
         study_name: default ``<model>-<dataset>-<device>``.
         batch_sizes: batch sizes to search; default the config's alone.
         max_device_memory: bytes a trial may hold on a CUDA device.
-        window: steps per trial; default ``config.tuner.warmup_steps`` and ``steps_per_trial``.
+        window: steps per trial and its time limit; default ``Window.of(config)``
+            (``config.tuner.warmup_steps``, ``steps_per_trial`` and ``trial_seconds``).
         say: receives the search space, and one progress line per trial where no bar is drawn.
         make_trainer: builds a trainer for a config (default :func:`default_trainer`).
         progress: a progress bar of the trials with the best so far, in place of the per-trial
@@ -107,7 +108,7 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
     torch.manual_seed(config.train.seed)
     model = build_model(model_name, graph, config)
     space = build_space(model, graph, config, device, batch_sizes=batch_sizes)
-    window = window or Window(config.tuner.warmup_steps, config.tuner.steps_per_trial)
+    window = window or Window.of(config)
     say("search space:\n  " + space.describe().replace("\n", "\n  "))
     identity = device_identity(device)
     context = {"model": tuning_fingerprint(model), "model_name": model_name, "dataset": dataset_signature(graph),

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import time
 import weakref
 
 import optuna
 import pytest
 
 from fastopt.config import Config
-from fastopt.errors import KernelError
+from fastopt.errors import ConfigError, KernelError
 from fastopt.tuner import Window, export_record, open_study, tune
-from fastopt.tuner.objective import measure_window
+from fastopt.tuner.objective import TrialTimeout, measure_window
 from fastopt.tuner.storage import StudyError, storage_url
 from fastopt.tuner.study import default_trainer
 
@@ -52,6 +53,47 @@ def test_window_times_steps_after_the_warmup(small_graph, config, one_thread):
     # the halfway report is in the study's unit (per epoch): the median of the first two steps
     assert [step for step, _ in seen] == [2]
     assert seen[0][1] == pytest.approx((result.steps[0] + result.steps[1]) / 2 * batches)
+
+
+def test_a_step_after_the_deadline_stops_the_window(small_graph, config, one_thread):
+    trainer = default_trainer("tgn", small_graph)(config)
+    with pytest.raises(TrialTimeout, match=r"more than 5 s \(in its warm-up, step 1\); raise "
+                                           r"tuner.trial_seconds"):
+        measure_window(trainer, Window(2, 4, seconds=5), deadline=time.perf_counter() - 1)
+
+
+def test_a_trial_past_its_time_limit_is_pruned_and_the_study_goes_on(small_graph, config, tmp_path,
+                                                                     one_thread, monkeypatch):
+    """The second trial's build takes (on a clock moved forward) longer than tuner.trial_seconds:
+    it is pruned with the reason at its first step, and the third trial runs to the end."""
+    import fastopt.tuner.objective as objective
+
+    skew, make, calls = [0.0], default_trainer("tgn", small_graph), []
+    clock = time.perf_counter
+
+    class SkewedTime:
+        @staticmethod
+        def perf_counter():
+            return clock() + skew[0]
+
+    def factory(cfg):
+        calls.append(cfg)
+        if len(calls) == 2:
+            skew[0] += 1000.0  # the build "took" 1000 s
+        return make(cfg)
+
+    monkeypatch.setattr(objective, "time", SkewedTime)
+    config.set("tuner.trial_seconds", 600)
+    lines = []
+    run = tune(small_graph, "tgn", config, trials=3, storage=str(tmp_path / "slow.db"), study_name="slow",
+               say=lines.append, make_trainer=factory)
+    trials = run.study.trials
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED,
+                                         optuna.trial.TrialState.COMPLETE]
+    assert trials[1].user_attrs["failure"].startswith("TrialTimeout: the trial took more than 600 s")
+    assert any("pruned: TrialTimeout" in line for line in lines)
+    with pytest.raises(ConfigError, match="tuner.trial_seconds"):
+        config.set("tuner.trial_seconds", -1)
 
 
 def test_three_trials_with_a_failing_config_pruned(small_graph, config, tmp_path, one_thread):
@@ -134,10 +176,10 @@ def test_one_collection_per_trial_and_each_trainer_freed_before_the_next(small_g
 
     real_measure = objective.measure_window
 
-    def measure(trainer, window, checkpoint=None):
+    def measure(trainer, window, checkpoint=None, deadline=None):
         if len(trainers) == 2:  # a failure whose traceback holds the trainer until Optuna drops it
             raise RuntimeError("the window failed")
-        return real_measure(trainer, window, checkpoint)
+        return real_measure(trainer, window, checkpoint, deadline)
 
     monkeypatch.setattr(objective, "measure_window", measure)
     real_collect = gc.collect
