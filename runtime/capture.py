@@ -206,6 +206,8 @@ class GraphPair:
                  static_grad_outputs: List[Tensor], grad_groups: list, surface_size: int) -> None:
         self.static_inputs = static_inputs
         self.input_groups = _copy_groups(static_inputs)
+        # per static input: rows past which it holds its padding (see _copy_padded); unknown yet
+        self.filled = [s.shape[0] if s.dim() else 0 for s in static_inputs]
         self.grad_output_groups = _copy_groups(static_grad_outputs)
         self.params = params
         self.fwd, self.bwd = fwd, bwd
@@ -230,24 +232,22 @@ class GraphPair:
                 static.append(s.requires_grad_(t.requires_grad))
         grad = torch.is_grad_enabled()
         params = [p for p in module.parameters() if p.requires_grad] if grad else []
-        surface = [s for s in static if s.requires_grad] + params
         args, kwargs = unflatten(spec, static)
         before = _snapshot(module)
         versions = [s._version for s in static]
 
-        def backward_of(out) -> Tuple[list, list]:
-            outs = [o for o in flatten(out)[0] if o.requires_grad]
-            return outs, surface
-
         saved = [(b, b.detach().clone()) for b in module.buffers()]
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
+        # on aliased leaves, as the capture: the parameters' own AccumulateGrad nodes, which an
+        # earlier eager backward may still hold, never see the side stream
+        with torch.cuda.stream(side), _aliased_parameters(module, params) as leaves:
+            inputs = [s for s in static if s.requires_grad] + leaves
             for _ in range(WARMUP_CALLS):
                 out = plain(*args, **kwargs)
-                outs, _ = backward_of(out)
-                if outs and surface:
-                    torch.autograd.grad(outs, surface, [torch.ones_like(o) for o in outs],
+                outs = [o for o in flatten(out)[0] if o.requires_grad]
+                if outs and inputs:
+                    torch.autograd.grad(outs, inputs, [torch.ones_like(o) for o in outs],
                                         allow_unused=True)
                 del out, outs
         torch.cuda.current_stream(device).wait_stream(side)
@@ -323,7 +323,7 @@ class GraphPair:
             if pads is None:
                 _copy_grouped(self.static_inputs, tensors, self.input_groups)
             else:
-                _copy_padded(self.static_inputs, tensors, pads, self.input_groups)
+                _copy_padded(self.static_inputs, tensors, pads, self.input_groups, self.filled)
         # launched first: the device runs the forward while the host builds the autograd node
         self.fwd.replay()
         self.redo_writes()
@@ -345,9 +345,14 @@ def _first_rows(t: Tensor, rows: Optional[int]) -> Tensor:
 
 
 def _copy_padded(static: Sequence[Tensor], fresh: Sequence[Tensor],
-                 pads: Sequence[Optional[RowPad]], groups) -> None:
+                 pads: Sequence[Optional[RowPad]], groups, filled: List[int]) -> None:
     """:func:`_copy_grouped` where ``fresh[i]`` fills the first rows of ``static[i]`` and the
-    rest are ``pads[i].value`` (read from :func:`constant_rows`), one copy list per kind."""
+    rest hold ``pads[i].value`` (read from :func:`constant_rows`), one copy list per kind.
+
+    ``filled[i]``: the rows of ``static[i]`` past which it holds the padding already (its
+    length where unknown), updated here. Only replays write into a pair's static inputs (the
+    capture refuses a forward that writes into its inputs), so a call with at least as many
+    rows as the last writes its rows alone, and one with fewer pads only the rows in between."""
     for members, positions in groups:
         into, read = [], []
         for s, i in zip(members, positions):
@@ -356,19 +361,24 @@ def _copy_padded(static: Sequence[Tensor], fresh: Sequence[Tensor],
                 into.append(s)
                 read.append(t)
                 continue
-            _pad_into(s, t, pad.value, into, read)
+            n = t.shape[0]
+            _pad_into(s, t, pad.value, into, read, end=max(n, filled[i]))
+            filled[i] = n
         torch._foreach_copy_(into, read)
 
 
-def _pad_into(s: Tensor, t: Tensor, value: int, into: list, read: list) -> None:
-    """Append to the copy lists: ``t`` into the first rows of ``s``, ``value`` into the rest."""
+def _pad_into(s: Tensor, t: Tensor, value: int, into: list, read: list,
+              end: Optional[int] = None) -> None:
+    """Append to the copy lists: ``t`` into the first rows of ``s``, ``value`` into the rows
+    after them up to ``end`` (default all)."""
     n = t.shape[0]
+    end = s.shape[0] if end is None else end
     if n:
         into.append(s[:n])
         read.append(t)
-    if n < s.shape[0]:
-        into.append(s[n:])
-        read.append(constant_rows(s.shape[0] - n, tuple(s.shape[1:]), value, s))
+    if n < end:
+        into.append(s[n:end])
+        read.append(constant_rows(end - n, tuple(s.shape[1:]), value, s))
 
 
 def _by_kind(tensors: Sequence[Optional[Tensor]]) -> List[Tuple[List[Tensor], List[int]]]:

@@ -347,15 +347,34 @@ def test_padded_calls_share_one_graph_and_are_trimmed(fake_capture):
 
 
 def test_padded_copies_write_rows_then_padding_in_one_list_per_kind():
-    """A padded replay's input copy: each call's rows, then the pad value over the rest of the
-    static buffer (stale rows of a larger earlier call overwritten), one copy list per dtype."""
+    """A padded replay's input copy: each call's rows, then the pad value over the rows a larger
+    earlier call left (stale rows overwritten; rows already holding the padding not written
+    again), one copy list per dtype."""
     static = [torch.full((6, 2), 9.0), torch.full((6,), 9, dtype=torch.int64), torch.zeros(3)]
+    groups, filled = capture._copy_groups(static), [6, 6, 3]
+    pads = [RowPad(6), RowPad(6, 5), None]
+    copies = []
+    real = torch._foreach_copy_
+
+    def counted(into, read):
+        copies.append([tuple(t.shape) for t in into])
+        real(into, read)
+
     fresh = [torch.ones(4, 2), torch.arange(2), torch.randn(3)]
-    capture._copy_padded(static, fresh, [RowPad(6), RowPad(6, 5), None],
-                         capture._copy_groups(static))
-    assert torch.equal(static[0], torch.cat([torch.ones(4, 2), torch.zeros(2, 2)]))
-    assert static[1].tolist() == [0, 1, 5, 5, 5, 5]
-    assert torch.equal(static[2], fresh[2])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "_foreach_copy_", counted)
+        capture._copy_padded(static, fresh, pads, groups, filled)
+        assert torch.equal(static[0], torch.cat([torch.ones(4, 2), torch.zeros(2, 2)]))
+        assert static[1].tolist() == [0, 1, 5, 5, 5, 5] and torch.equal(static[2], fresh[2])
+        assert filled == [4, 2, 3]
+        static[0][5] = 7.0  # a write the pair never makes: shows which rows a call rewrites
+        capture._copy_padded(static, [2 * torch.ones(5, 2), torch.arange(1), fresh[2]], pads,
+                             groups, filled)
+    assert torch.equal(static[0][:5], 2 * torch.ones(5, 2)) and static[0][5].tolist() == [7.0, 7.0]
+    assert static[1].tolist() == [0, 5, 5, 5, 5, 5] and filled == [5, 1, 3]
+    # first call: rows and padding to the end; second: x's 5 rows alone, the index's row and
+    # the one row it left
+    assert copies == [[(4, 2), (2, 2), (3,)], [(2,), (4,)], [(5, 2), (3,)], [(1,), (1,)]]
 
 
 def test_runner_passes_through_while_verify_calls_are_pending(fake_capture):
