@@ -46,8 +46,7 @@ from torch import Tensor, nn
 from fastopt import codegen
 from fastopt.config import default_config
 from fastopt.passes.module_rewrite import ModuleReplacement, ModuleRewrite, shared_copy
-from fastopt.runtime import GraphCapture, GraphRunner, bucket
-from fastopt.runtime.padding import RowPad, constant_rows
+from fastopt.runtime import GraphCapture, GraphRunner, RowPad, bucket, constant_rows
 
 __all__ = ["FuseTransformerConv", "FuseGatConv", "FuseGatv2Conv", "pyg_conv_classes"]
 
