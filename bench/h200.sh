@@ -16,8 +16,8 @@
 # (bench/accuracy.py, 10 epochs x SEEDS x VARIANTS (eager fastopt); accuracy.{log,json})
 # and "pyg" (bench/pyg_tgn.py; pyg.{log,json}); "pygconv": its layer check and timing only;
 # "pygap": its layer timing and AP study only. "tune": fastopt tune for each of TUNE_MODELS
-# (tgn tgat) on each of TUNE_DATASETS (wikipedia; a path for another graph, carried in a git-ignored
-# folder), TRIALS trials (40) in one SQLite file, records to $OUT/records (--max-device-memory
+# (tgn tgat) on each of TUNE_DATASETS (wikipedia; email-eu-core, the other shipped graph; or a path
+# carried in a git-ignored folder), TRIALS trials (40) in one SQLite file, records to $OUT/records (--max-device-memory
 # MAX_MEMORY_GB when set), then fastopt bench of fastopt and fastopt-tuned side by side per pair
 # (tune.log, tuned-*.json); each study under TUNE_S seconds (900). The tuner needs optuna there:
 # carry its wheels (device README) in ../.whl (or WHEELS): this script installs them apart. "scale": a

@@ -21,7 +21,7 @@ def _add_run_flags(p, epochs_help: str) -> None:
     """Flags ``train`` and ``bench`` share: data, model, its hyperparameters and the run."""
     from fastopt.models import MODELS
 
-    p.add_argument("--dataset", default="wikipedia", help="built-in name (wikipedia) or a path to an event file")
+    p.add_argument("--dataset", default="wikipedia", help="built-in name (wikipedia, email-eu-core) or a path to an event file")
     p.add_argument("--model", default="tgn", help=f"one of {', '.join(MODELS)} (default tgn)")
     if epochs_help:
         p.add_argument("--epochs", type=int, default=None, help=epochs_help)

@@ -35,6 +35,14 @@ def test_builtin_wikipedia_resolves_by_name(wikipedia):
     assert wikipedia.dst.min() == 8227 and wikipedia.dst.max() == 9226
 
 
+def test_builtin_email_eu_core_resolves_by_name():
+    """The second shipped graph (SNAP email-Eu-core-temporal): directed, 986 nodes, many repeated
+    pairs; the file is the shared one, byte for byte."""
+    assert sorted(builtin_datasets()) == ["email-eu-core", "wikipedia"]
+    g = load_dataset("email-eu-core")
+    assert (g.num_events, g.num_nodes, g.bipartite, g.edge_dim) == (332_334, 986, False, 0)
+
+
 def write(path, text, compress=False):
     data = text.encode()
     path.write_bytes(gzip.compress(data) if compress else data)
