@@ -207,7 +207,7 @@ class GraphPair:
         self.static_inputs = static_inputs
         self.input_groups = _copy_groups(static_inputs)
         # per static input: rows past which it holds its padding (see _copy_padded); unknown yet
-        self.filled = [s.shape[0] if s.dim() else 0 for s in static_inputs]
+        self.filled = _row_counts(static_inputs)
         self.grad_output_groups = _copy_groups(static_grad_outputs)
         self.params = params
         self.fwd, self.bwd = fwd, bwd
@@ -322,6 +322,7 @@ class GraphPair:
         with torch.no_grad():
             if pads is None:
                 _copy_grouped(self.static_inputs, tensors, self.input_groups)
+                self.filled = _row_counts(self.static_inputs)
             else:
                 _copy_padded(self.static_inputs, tensors, pads, self.input_groups, self.filled)
         # launched first: the device runs the forward while the host builds the autograd node
@@ -338,6 +339,10 @@ class GraphPair:
             rows[:len(grad_inputs)] = [t.shape[0] if p else None for t, p in zip(grad_inputs, padded)]
         outs = _Replay.apply(self, (rows, out_rows), *grad_inputs, *self.params)
         return unflatten(self.out_spec, list(outs))
+
+
+def _row_counts(tensors: Sequence[Tensor]) -> List[int]:
+    return [t.shape[0] if t.dim() else 0 for t in tensors]
 
 
 def _first_rows(t: Tensor, rows: Optional[int]) -> Tensor:
@@ -360,11 +365,13 @@ def _copy_padded(static: Sequence[Tensor], fresh: Sequence[Tensor],
             if pad is None:
                 into.append(s)
                 read.append(t)
+                filled[i] = s.shape[0] if s.dim() else 0
                 continue
             n = t.shape[0]
             _pad_into(s, t, pad.value, into, read, end=max(n, filled[i]))
             filled[i] = n
-        torch._foreach_copy_(into, read)
+        if into:  # a 0-row call into rows already padded copies nothing
+            torch._foreach_copy_(into, read)
 
 
 def _pad_into(s: Tensor, t: Tensor, value: int, into: list, read: list,
@@ -448,7 +455,8 @@ class _Replay(torch.autograd.Function):
                     into, read = [], []
                     for s, i in zip(members, positions):
                         _pad_into(s, diff[i], 0, into, read)
-                    torch._foreach_copy_(into, read)
+                    if into:
+                        torch._foreach_copy_(into, read)
         graphs.bwd.replay()
         ctx.token.done = True
         grads: List[Optional[Tensor]] = [None] * graphs.surface_size

@@ -101,8 +101,9 @@ def call_signature(module: nn.Module, spec: tuple, tensors: Sequence[Tensor],
         Uncapturable: A constant argument is not hashable.
     """
     modules = module.modules() if modules is None else modules
+    # a padded tensor by its padded shape and pad value: calls that pad alike share a graph pair
     metas = tuple(map(_tensor_meta, tensors)) if pads is None else tuple(
-        _tensor_meta(t) if p is None else (p.shape(t),) + _tensor_meta(t)[1:]
+        _tensor_meta(t) if p is None else (p.shape(t),) + _tensor_meta(t)[1:] + (p.value,)
         for t, p in zip(tensors, pads))
     key = (spec, metas,
            tuple(m.training for m in modules), torch.is_grad_enabled(),
@@ -237,8 +238,9 @@ class GraphRunner:
         ``pads`` (one per positional argument, None for those left as they are) pads tensor
         arguments along their first dimension (:class:`~fastopt.runtime.padding.RowPad`): the
         graph is keyed and captured on the padded shapes, and a replay writes each call's rows and
-        the padding straight into its static inputs. ``out_rows`` trims every output to its first
-        rows. Calls that do not replay pad and trim the same way around ``plain``."""
+        the padding straight into its static inputs. ``out_rows`` trims every output (each must
+        have a first dimension) to its first rows. Calls that do not replay pad and trim the same
+        way around ``plain``."""
         if pads or out_rows is not None:
             fallback = functools.partial(_padded_call, plain, pads, out_rows)
         else:
@@ -323,16 +325,23 @@ def _padded(t: Tensor, pad: Optional[RowPad]) -> Tensor:
 
 
 def _row_pads(args: tuple, pads: Sequence[Optional[RowPad]], tensors: Sequence[Tensor]) -> list:
-    """The :class:`RowPad` of each flattened tensor (None where unpadded), checked."""
-    by_id = {}
-    for a, pad in zip(args, pads):
-        if pad is not None:
-            if not isinstance(a, Tensor):
-                raise ValueError(f"a RowPad was given for a {type(a).__name__} argument; pad "
-                                 f"tensor arguments only")
-            pad.check(a)
-            by_id[id(a)] = pad
-    return [by_id.get(id(t)) for t in tensors]
+    """The :class:`RowPad` of each flattened tensor (None where unpadded), checked: by position,
+    so that a tensor passed twice is padded where its pad says and left alone elsewhere, as
+    :func:`_padded_call` does. ``flatten((args, kwargs))`` lists the positional arguments'
+    tensors first, in order."""
+    out: list = []
+    for i, a in enumerate(args):
+        pad = pads[i] if i < len(pads) else None
+        if isinstance(a, Tensor):
+            if pad is not None:
+                pad.check(a)
+            out.append(pad)
+        elif pad is not None:
+            raise ValueError(f"a RowPad was given for a {type(a).__name__} argument; pad tensor "
+                             f"arguments only")
+        else:
+            out += [None] * len(flatten(a)[0])
+    return out + [None] * (len(tensors) - len(out))
 
 
 def _padded_call(plain, pads: Sequence[Optional[RowPad]], out_rows: Optional[int], *args, **kwargs):

@@ -377,6 +377,34 @@ def test_padded_copies_write_rows_then_padding_in_one_list_per_kind():
     assert copies == [[(4, 2), (2, 2), (3,)], [(2,), (4,)], [(5, 2), (3,)], [(1,), (1,)]]
 
 
+def test_pads_go_by_position_and_key_the_pad_value(fake_capture):
+    """A tensor passed twice is padded only where its pad is given, on replay as uncaptured; the
+    pad value and whether a tensor is padded at all are part of the graph's key (a buffer's rows
+    that hold padding are only rewritten when they stopped holding it, so one pair must never
+    see two paddings); two 0-row calls in a row copy nothing and do not fail."""
+    runner = graphs.GraphRunner(graphs.GraphCapture("layer"))
+    module, x = nn.Identity(), torch.randn(5, 3)
+
+    def plain(a, b):
+        return a[:5] + b.mean(0)
+
+    with patch(passes__cuda_graphs="on"):
+        replayed = runner(module, plain, (x, x), {}, pads=(RowPad(8), None), out_rows=5)
+    torch.testing.assert_close(replayed, x + x.mean(0))
+    assert fake_capture.captured == [((8, 3), (5, 3))]
+    tensors, spec = flatten(((x, 2, x), {}))
+    key = lambda *pads: call_signature(module, spec, tensors, None, list(pads))  # noqa: E731
+    assert key(RowPad(8), None, None) != key(RowPad(8, 1), None, None)
+    assert key(RowPad(8), None, None) == key(RowPad(8), None, None)
+    unpadded, same_spec = flatten(((torch.randn(8, 3), 2, x), {}))  # the padded shape, unpadded
+    assert same_spec == spec and call_signature(module, spec, unpadded) != key(RowPad(8), None, None)
+    static = [torch.zeros(8, 4)]
+    groups, filled = capture._copy_groups(static), [8]
+    for _ in range(2):
+        capture._copy_padded(static, [torch.zeros(0, 4)], [RowPad(8)], groups, filled)
+    assert filled == [0]
+
+
 def test_runner_passes_through_while_verify_calls_are_pending(fake_capture):
     torch.manual_seed(0)
     fast = fastopt.optimize(TemporalAttention(8, 4, 6, 8, dropout=0.0), verify=True)
