@@ -121,9 +121,10 @@ fi
 [[ " $STEPS " == *" pygconv "* ]] && timeout "${PYGCONV_S:-120}" python3 bench/pyg_tgn.py --device cuda --skip-epochs \
     --iters 200 --warmup 20 --json "$OUT/pygconv.json" > "$OUT/pygconv.log" 2>&1
 # pygap: the layer check and timing, then the AP study: AP_SEEDS (24 seeds) x 3 contenders, 5 epochs,
-# PYG_JOBS (8) processes at a time (pygap.{log,json})
+# PYG_JOBS (8) processes at a time (pygap.{log,json}); AP_MERGE: earlier calls' pygap.json or logs to add
+# (24 seeds take two calls of ~8 minutes at PYG_JOBS=12)
 [[ " $STEPS " == *" pygap "* ]] && timeout "${PYGAP_S:-540}" python3 bench/pyg_tgn.py --device cuda --epochs 5 \
-    --skip-epochs --iters 200 --warmup 20 --ap-seeds ${AP_SEEDS:-$(seq 0 23)} --jobs "${PYG_JOBS:-8}" \
+    --skip-epochs --iters 200 --warmup 20 --ap-seeds ${AP_SEEDS:-$(seq 0 23)} --jobs "${PYG_JOBS:-8}" ${AP_MERGE:+--ap-merge $AP_MERGE} \
     --json "$OUT/pygap.json" > "$OUT/pygap.log" 2>&1
 if [[ " $STEPS " == *" host "* ]]; then
     # features in host memory through SlimCache (a budget of cache.budget_fraction, 0.1 by default)

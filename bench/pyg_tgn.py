@@ -23,7 +23,8 @@ with 172-d random edge features) at ``--batch-size`` (600):
    amplifies differences of that size (two runs of a seed part in the loss's 4th digit within the
    first epoch).
 
-4. **AP study** (``--ap-seeds S ...``): test AP after ``--epochs`` of the example unmodified,
+4. **AP study** (``--ap-seeds S ...``; ``--ap-merge FILE ...`` adds the runs of earlier calls,
+   or only merges them): test AP after ``--epochs`` of the example unmodified,
    optimized and perturbed as the control, once per seed, ``--jobs`` runs at a time in worker
    processes (not timed): the gaps to PyG paired by seed, with their standard errors, so that
    a gap can be told from rounding with more seeds than a timed run can afford.
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import re
 import statistics
 import sys
@@ -276,14 +278,43 @@ def _ap_study(args) -> dict:
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             for run in pool.map(_ap_run, jobs):
                 keep(run)
+    return _ap_summary(_merged_runs(args.ap_merge) + results, args.epochs, args.jobs)
+
+
+_RUN_LINE = re.compile(r"^\s+run (\S+)\s+seed\s+(\d+): test AP ([0-9.]+)")
+
+
+def _merged_runs(paths: list) -> list:
+    """AP-study runs of earlier calls (``--ap-merge``): a JSON file this script wrote (its
+    ``ap_study.runs``), or a log of it (the per-run lines; a study cut by a time limit leaves
+    those and no JSON)."""
+    runs = []
+    for path in paths:
+        text = open(path).read()
+        if path.endswith(".json"):
+            runs += json.loads(text)["ap_study"]["runs"]
+            continue
+        for line in text.splitlines():
+            m = _RUN_LINE.match(line)
+            if m:
+                runs.append({"label": m[1], "seed": int(m[2]), "test_ap": float(m[3]), "from": path})
+    return runs
+
+
+def _ap_summary(results: list, epochs: int, jobs: int) -> dict:
+    """The study over the seeds every contender finished (a seed run twice keeps its last run):
+    each contender's mean and spread, and the gaps to PyG paired by seed."""
+    labels = ("pyg", "fastopt", "pyg-control")
     ap = {label: {r["seed"]: r["test_ap"] for r in results if r["label"] == label} for label in labels}
-    out = {"seeds": list(args.ap_seeds), "epochs": args.epochs, "jobs": args.jobs, "runs": results,
-           "fastopt_minus_pyg": _paired_gap(ap, "fastopt", args.ap_seeds),
-           "control_minus_pyg": _paired_gap(ap, "pyg-control", args.ap_seeds)}
-    print(f"\nAP study: test AP after {args.epochs} epochs, {len(args.ap_seeds)} seeds, "
-          f"{args.jobs} run(s) at a time")
+    seeds = sorted(set.intersection(*(set(ap[label]) for label in labels)))
+    if not seeds:
+        raise SystemExit("the AP study has no seed that every contender finished")
+    out = {"seeds": seeds, "epochs": epochs, "jobs": jobs, "runs": results,
+           "fastopt_minus_pyg": _paired_gap(ap, "fastopt", seeds),
+           "control_minus_pyg": _paired_gap(ap, "pyg-control", seeds)}
+    print(f"\nAP study: test AP after {epochs} epochs, {len(seeds)} seeds, {jobs} run(s) at a time")
     for label in labels:
-        values = list(ap[label].values())
+        values = [ap[label][s] for s in seeds]
         spread = statistics.stdev(values) if len(values) > 1 else float("nan")
         print(f"  {label:12s} mean {statistics.mean(values):.4f}  sd {spread:.4f}")
     for key, what in (("fastopt_minus_pyg", "fastopt minus PyG"),
@@ -319,6 +350,9 @@ def main(argv=None) -> int:
                         help="after the rest, the AP study: the example unmodified, optimized and as "
                              "the control trained once per seed (test AP only, no timing)")
     parser.add_argument("--jobs", type=int, default=1, help="the AP study's runs at a time (processes)")
+    parser.add_argument("--ap-merge", nargs="*", default=[], metavar="FILE",
+                        help="add the AP-study runs of earlier calls (their --json files, or their logs) "
+                             "to this one's; with no --ap-seeds, only merge them (no training)")
     parser.add_argument("--json", help="write the record to this JSON file")
     args = parser.parse_args(argv)
     for name in ("batch_size", "epochs", "iters", "verify_steps", "jobs"):
@@ -330,6 +364,15 @@ def main(argv=None) -> int:
         parser.error(f"--device {args.device!r} is not a torch device; pass cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device} but this torch sees no CUDA device; pass --device cpu")
+    if args.ap_merge and not args.ap_seeds:  # the study of earlier calls' runs alone
+        try:
+            study = _ap_summary(_merged_runs(args.ap_merge), args.epochs, args.jobs)
+        except (OSError, KeyError, ValueError) as exc:
+            parser.error(f"--ap-merge: {exc}")
+        if args.json:
+            write_record(args.json, ap_study=study, merged=args.ap_merge)
+            print(f"wrote {args.json}")
+        return 0
     try:
         graph = _graph(args)
     except FastOptError as exc:

@@ -133,6 +133,30 @@ def test_ap_study_pairs_each_contender_with_pyg_by_seed(tmp_path, monkeypatch):
     assert len(study["runs"]) == 6 and study["seeds"] == [3, 5]
 
 
+def test_ap_studies_of_several_calls_merge(tmp_path, capsys):
+    """--ap-merge alone combines earlier calls' runs, from their JSON or from the per-run lines
+    of a log a time limit cut short, over the seeds every contender finished (a seed run again
+    keeps its later run); the gaps are paired by seed as in one call."""
+    script = load("pyg_tgn")
+    runs = [{"label": label, "seed": seed, "test_ap": 0.8 + 0.01 * seed + bump}
+            for seed in (0, 1) for label, bump in (("pyg", 0.0), ("fastopt", 0.003), ("pyg-control", 0.001))]
+    (tmp_path / "a.json").write_text(json.dumps({"ap_study": {"runs": runs}}))
+    log = ["  run pyg          seed   2: test AP 0.8200", "  run fastopt      seed   2: test AP 0.8250",
+           "  run pyg-control  seed   2: test AP 0.8210", "  run pyg          seed   3: test AP 0.9000",
+           "  run fastopt      seed   1: test AP 0.8140", "unrelated line"]
+    (tmp_path / "b.log").write_text("\n".join(log))
+    out = tmp_path / "merged.json"
+    assert script.main(["--device", "cpu", "--ap-merge", str(tmp_path / "a.json"), str(tmp_path / "b.log"),
+                        "--json", str(out)]) == 0
+    study = json.loads(out.read_text())["ap_study"]
+    assert study["seeds"] == [0, 1, 2]  # seed 3 has PyG's run alone
+    assert study["fastopt_minus_pyg"]["per_seed"] == pytest.approx([0.3, 0.4, 0.5])
+    assert study["control_minus_pyg"]["mean"] == pytest.approx(0.1)
+    assert "3 seeds" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        script.main(["--device", "cpu", "--ap-merge", str(tmp_path / "nothing.log")])
+
+
 def test_bench_fails_on_a_wrong_layer(tmp_path, monkeypatch):
     script = load("pyg_tgn")
     from fastopt.passes import pyg_conv
