@@ -11,7 +11,10 @@ its replay (used by :class:`~fastopt.runtime.graphs.GraphRunner`).
   the graph: its backward copies the incoming gradients into static buffers, replays the
   backward graph and returns the gradients of inputs and parameters from one fresh flat buffer
   per dtype (captured in the graph), so ``.grad`` accumulates exactly as in eager mode and never
-  aliases graph memory.
+  aliases graph memory. Inputs padded along their rows (:class:`~fastopt.runtime.RowPad`) are
+  written as their rows plus the padding (rows still holding it are not written again) and
+  outputs may be trimmed to their first rows; gradients follow (zeros for the trimmed rows, the
+  inputs' own rows out).
 * **Attribute writes.** A forward that stores tensors on its module (TGN keeps the batch's
   updated memory for ``commit``) is captured when those tensors live on the graph's device: each
   replay re-assigns the attribute to the same tensors, detached, which then hold that replay's

@@ -11,7 +11,8 @@ forward signature:
   lists, tuples, dicts, namedtuples and dataclasses such as :class:`~fastopt.runtime.GraphInputs`;
   other values are constants). One forward/backward graph pair is kept per signature: the
   structure and constants, each tensor's shape, dtype, device and ``requires_grad``, the training
-  flag of every submodule, grad mode, autocast and the kernels/passes configuration. At most
+  flag of every submodule, grad mode, autocast and the kernels/passes configuration (a tensor the
+  caller pads, :class:`~fastopt.runtime.RowPad`, by its padded shape and pad value). At most
   ``config.passes.max_graphs`` pairs per module, least recently used evicted; ``"auto"`` captures
   a signature on its second call (a one-off shape such as an epoch's last batch never costs a
   capture), ``"on"`` on its first.
