@@ -211,6 +211,7 @@ class GraphPair:
         self.input_groups = _copy_groups(static_inputs)
         # per static input: rows past which it holds its padding (see _copy_padded); unknown yet
         self.filled = _row_counts(static_inputs)
+        self.padded = False  # whether a replay wrote padding (then filled is in use)
         self.grad_output_groups = _copy_groups(static_grad_outputs)
         self.params = params
         self.fwd, self.bwd = fwd, bwd
@@ -325,9 +326,11 @@ class GraphPair:
         with torch.no_grad():
             if pads is None:
                 _copy_grouped(self.static_inputs, tensors, self.input_groups)
-                self.filled = _row_counts(self.static_inputs)
+                if self.padded:  # never, as graphs are keyed; kept right if one ever is
+                    self.filled, self.padded = _row_counts(self.static_inputs), False
             else:
                 _copy_padded(self.static_inputs, tensors, pads, self.input_groups, self.filled)
+                self.padded = True
         # launched first: the device runs the forward while the host builds the autograd node
         self.fwd.replay()
         self.redo_writes()
