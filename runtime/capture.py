@@ -347,6 +347,9 @@ class GraphPair:
         return unflatten(self.out_spec, list(outs))
 
 
+_ZEROS = RowPad(0)  # padding with zeros (_copy_padded reads the value alone)
+
+
 def _row_counts(tensors: Sequence[Tensor]) -> List[int]:
     return [t.shape[0] if t.dim() else 0 for t in tensors]
 
@@ -371,7 +374,7 @@ def _copy_padded(static: Sequence[Tensor], fresh: Sequence[Tensor],
             if pad is None:
                 into.append(s)
                 read.append(t)
-                filled[i] = s.shape[0] if s.dim() else 0
+                filled[i] = _row_counts([s])[0]
                 continue
             n = t.shape[0]
             _pad_into(s, t, pad.value, into, read, end=max(n, filled[i]))
@@ -380,12 +383,10 @@ def _copy_padded(static: Sequence[Tensor], fresh: Sequence[Tensor],
             torch._foreach_copy_(into, read)
 
 
-def _pad_into(s: Tensor, t: Tensor, value: int, into: list, read: list,
-              end: Optional[int] = None) -> None:
+def _pad_into(s: Tensor, t: Tensor, value: int, into: list, read: list, end: int) -> None:
     """Append to the copy lists: ``t`` into the first rows of ``s``, ``value`` into the rows
-    after them up to ``end`` (default all)."""
+    after them up to ``end``."""
     n = t.shape[0]
-    end = s.shape[0] if end is None else end
     if n:
         into.append(s[:n])
         read.append(t)
@@ -456,13 +457,9 @@ class _Replay(torch.autograd.Function):
         with torch.no_grad():
             if ctx.out_rows is None:
                 _copy_grouped(graphs.static_grad_outputs, diff, graphs.grad_output_groups)
-            else:  # the trimmed rows' gradients are zero
-                for members, positions in graphs.grad_output_groups:
-                    into, read = [], []
-                    for s, i in zip(members, positions):
-                        _pad_into(s, diff[i], 0, into, read)
-                    if into:
-                        torch._foreach_copy_(into, read)
+            else:  # the trimmed rows' gradients are zero (every row past them written)
+                _copy_padded(graphs.static_grad_outputs, diff, [_ZEROS] * len(diff),
+                             graphs.grad_output_groups, _row_counts(graphs.static_grad_outputs))
         graphs.bwd.replay()
         ctx.token.done = True
         grads: List[Optional[Tensor]] = [None] * graphs.surface_size

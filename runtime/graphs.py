@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from fastopt.config import default_config
+from fastopt.errors import KernelError
 from fastopt.runtime.capture import GraphPair, Uncapturable, end_generator_capture
 from fastopt.runtime.flatten import flatten, unflatten
 from fastopt.runtime.padding import RowPad, pad_rows
@@ -96,7 +97,7 @@ def call_signature(module: nn.Module, spec: tuple, tensors: Sequence[Tensor],
     """The key of the graph pair that serves a call of ``module`` (see the module docstring).
 
     ``modules`` is ``list(module.modules())`` where the caller holds it already; ``pads`` (one
-    per tensor) keys padded tensors by their padded shape.
+    per tensor) keys padded tensors by their padded shape and pad value.
 
     Raises:
         Uncapturable: A constant argument is not hashable.
@@ -338,8 +339,8 @@ def _row_pads(args: tuple, pads: Sequence[Optional[RowPad]], tensors: Sequence[T
                 pad.check(a)
             out.append(pad)
         elif pad is not None:
-            raise ValueError(f"a RowPad was given for a {type(a).__name__} argument; pad tensor "
-                             f"arguments only")
+            raise KernelError(f"a RowPad was given for a {type(a).__name__} argument; pad tensor "
+                              f"arguments only (pass None for argument {i})")
         else:
             out += [None] * len(flatten(a)[0])
     return out + [None] * (len(tensors) - len(out))

@@ -9,7 +9,7 @@ costs what an unpadded replay costs. :func:`constant_rows` serves the padding va
 buffers kept per device, dtype and value; :func:`pad_rows` builds a padded tensor where one is
 needed (a capture, or a call the runner does not replay).
 
-Layering: imports nothing of fastopt.
+Layering: imports nothing of fastopt but :mod:`fastopt.errors`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import Dict, Tuple
 
 import torch
 from torch import Tensor
+
+from fastopt.errors import KernelError
 
 __all__ = ["RowPad", "constant_rows", "pad_rows"]
 
@@ -31,9 +33,11 @@ class RowPad:
     value: int = 0
 
     def check(self, t: Tensor) -> None:
+        """Raises :class:`~fastopt.errors.KernelError` where ``t`` has no rows to pad or more
+        than :attr:`rows`."""
         if t.dim() == 0 or t.shape[0] > self.rows:
-            raise ValueError(f"a tensor of shape {tuple(t.shape)} cannot be padded to {self.rows} "
-                             f"rows; pad each argument to at least its own row count")
+            raise KernelError(f"a tensor of shape {tuple(t.shape)} cannot be padded to {self.rows} "
+                              f"rows; pad each argument to at least its own row count")
 
     def shape(self, t: Tensor) -> torch.Size:
         """``t``'s shape once padded."""

@@ -13,7 +13,7 @@ from torch import nn
 
 import fastopt
 from fastopt.config import patch
-from fastopt.errors import ConfigError, TraceError
+from fastopt.errors import ConfigError, KernelError, TraceError
 from fastopt.models import TGAT, TGN, GraphInputs
 from fastopt.models.layers import TemporalAttention
 from fastopt.runtime import capture, graphs
@@ -344,6 +344,8 @@ def test_padded_calls_share_one_graph_and_are_trimmed(fake_capture):
                                    _row_sums(x, index))
     with pytest.raises(ValueError, match="cannot be padded to 8 rows"):
         runner(module, _row_sums, (torch.randn(9, 4), torch.arange(9)), {}, pads=pads)
+    with pytest.raises(KernelError, match="RowPad was given for a int argument.*None for argument 1"):
+        runner(module, lambda a, n: a, (x, 3), {}, pads=(None, RowPad(8)))
 
 
 def test_padded_copies_write_rows_then_padding_in_one_list_per_kind():
