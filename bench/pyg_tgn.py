@@ -251,12 +251,12 @@ def _paired_gap(ap: dict, label: str, seeds: list) -> dict:
     return {"per_seed": gaps, "mean": statistics.mean(gaps), "standard_error": se}
 
 
-def _ap_study(args) -> dict:
+def _ap_study(args, merged: list) -> dict:
     """Test AP after ``--epochs`` of the example unmodified, optimized and perturbed at rounding
     level (the control), per seed of ``--ap-seeds``, ``--jobs`` runs at a time in worker
     processes (their epoch times are shared machines' and not reported): the gaps to PyG, paired
-    by seed, with their standard errors. The control's gap is what rounding alone makes, so
-    fastopt's is judged against it."""
+    by seed, with their standard errors, ``merged`` (earlier calls' runs) included. The
+    control's gap is what rounding alone makes, so fastopt's is judged against it."""
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
     import os
@@ -278,7 +278,7 @@ def _ap_study(args) -> dict:
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             for run in pool.map(_ap_run, jobs):
                 keep(run)
-    return _ap_summary(_merged_runs(args.ap_merge) + results, args.epochs, args.jobs)
+    return _ap_summary(merged + results, args.epochs, args.jobs)
 
 
 _RUN_LINE = re.compile(r"^\s+run (\S+)\s+seed\s+(\d+): test AP ([0-9.]+)")
@@ -364,11 +364,12 @@ def main(argv=None) -> int:
         parser.error(f"--device {args.device!r} is not a torch device; pass cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device} but this torch sees no CUDA device; pass --device cpu")
+    try:  # read before any training: a bad file must not cost a whole run
+        merged = _merged_runs(args.ap_merge)
+    except (OSError, KeyError, ValueError) as exc:
+        parser.error(f"--ap-merge: {exc}")
     if args.ap_merge and not args.ap_seeds:  # the study of earlier calls' runs alone
-        try:
-            study = _ap_summary(_merged_runs(args.ap_merge), args.epochs, args.jobs)
-        except (OSError, KeyError, ValueError) as exc:
-            parser.error(f"--ap-merge: {exc}")
+        study = _ap_summary(merged, args.epochs, args.jobs)
         if args.json:
             write_record(args.json, ap_study=study, merged=args.ap_merge)
             print(f"wrote {args.json}")
@@ -418,7 +419,7 @@ def main(argv=None) -> int:
     if not failed and not args.skip_epochs:
         record.update(_epochs(graph, args, device))
     if not failed and args.ap_seeds:
-        record["ap_study"] = _ap_study(args)
+        record["ap_study"] = _ap_study(args, merged)
 
     if args.json:
         write_record(args.json, **record)
