@@ -74,10 +74,13 @@ class TrialTimeout(FastOptError):
     """A trial ran past its time limit (:attr:`Window.seconds`)."""
 
 
-def _check_deadline(deadline: Optional[float], window: Window, where: str) -> None:
-    if deadline is not None and time.perf_counter() > deadline:
-        raise TrialTimeout(f"the trial took more than {window.seconds:g} s ({where}); raise "
-                           f"tuner.trial_seconds to let such configs finish")
+def _past(deadline: Optional[float]) -> bool:
+    return deadline is not None and time.perf_counter() > deadline
+
+
+def _timeout(window: Window, where: str) -> TrialTimeout:
+    return TrialTimeout(f"the trial took more than {window.seconds:g} s ({where}); raise "
+                        f"tuner.trial_seconds to let such configs finish")
 
 
 @dataclass
@@ -162,8 +165,9 @@ def measure_window(trainer, window: Window,
         marks.mark()  # the first step is timed from here
     with contextlib.closing(trainer.train_steps(epoch=0)) as losses:
         for i, _loss in enumerate(losses):
-            _check_deadline(deadline, window, f"in its warm-up, step {i + 1}" if i + 1 < window.warmup
-                            else f"after {i + 1 - window.warmup} timed steps")
+            if _past(deadline):
+                raise _timeout(window, f"in its warm-up, step {i + 1}" if i + 1 < window.warmup
+                               else f"after {i + 1 - window.warmup} timed steps")
             if i + 1 < window.warmup:
                 continue
             marks.mark()  # the last warm-up step's mark starts the timing
@@ -288,7 +292,8 @@ class StepObjective:
                 if self.check is not None:
                     trial.set_user_attr("verified", self.check(trainer))
                     phases["check"], clock = time.perf_counter() - clock, time.perf_counter()
-                    _check_deadline(deadline, self.window, "building and checking it")
+                    if _past(deadline):
+                        raise _timeout(self.window, "building and checking it")
                 result = measure_window(trainer, self.window, lambda step, value: _prune_if_slow(trial, step, value),
                                         deadline)
             phases["warmup"] = result.warmup_seconds
