@@ -30,10 +30,11 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch._utils import _unflatten_dense_tensors
 from torch.autograd.function import once_differentiable
 
 from fastopt.errors import TraceError
@@ -213,13 +214,15 @@ class GraphPair:
         self.filled = _row_counts(static_inputs)
         self.padded = False  # whether a replay wrote padding (then filled is in use)
         self.grad_output_groups = _copy_groups(static_grad_outputs)
+        # as filled, for the gradients of trimmed outputs (their padding rows hold zeros)
+        self.grad_filled = _row_counts(static_grad_outputs)
         self.params = params
         self.fwd, self.bwd = fwd, bwd
         self.out_spec = out_spec
         self.static_outputs = static_outputs
         self.differentiable = differentiable
         self.static_grad_outputs = static_grad_outputs
-        self.grad_groups = grad_groups  # (flat static buffer, positions, sizes, shapes)
+        self.grad_groups = grad_groups  # _GradGroup per dtype/device
         self.surface_size = surface_size
         self.generation = 0
         self._pending: Optional[weakref.ref] = None
@@ -355,7 +358,7 @@ def _row_counts(tensors: Sequence[Tensor]) -> List[int]:
 
 
 def _first_rows(t: Tensor, rows: Optional[int]) -> Tensor:
-    return t if rows is None else t[:rows]
+    return t if rows is None else t.narrow(0, 0, rows)
 
 
 def _copy_padded(static: Sequence[Tensor], fresh: Sequence[Tensor],
@@ -379,7 +382,9 @@ def _copy_padded(static: Sequence[Tensor], fresh: Sequence[Tensor],
             n = t.shape[0]
             _pad_into(s, t, pad.value, into, read, end=max(n, filled[i]))
             filled[i] = n
-        if into:  # a 0-row call into rows already padded copies nothing
+        if len(into) == 1:  # one copy: the plain op dispatches faster than a list of one
+            into[0].copy_(read[0])
+        elif into:  # a 0-row call into rows already padded copies nothing
             torch._foreach_copy_(into, read)
 
 
@@ -388,10 +393,10 @@ def _pad_into(s: Tensor, t: Tensor, value: int, into: list, read: list, end: int
     after them up to ``end``."""
     n = t.shape[0]
     if n:
-        into.append(s[:n])
+        into.append(s.narrow(0, 0, n))
         read.append(t)
     if n < end:
-        into.append(s[n:end])
+        into.append(s.narrow(0, n, end - n))
         read.append(constant_rows(end - n, tuple(s.shape[1:]), value, s))
 
 
@@ -421,11 +426,31 @@ def _copy_grouped(static: Sequence[Tensor], fresh: Sequence[Tensor], groups) -> 
         torch._foreach_copy_(members, [fresh[i] for i in positions])
 
 
-def _flat_groups(grads: Sequence[Optional[Tensor]]) -> list:
-    """Inside the backward capture: the gradients concatenated into one buffer per dtype/device,
-    ``(flat, positions, sizes, shapes)`` per buffer (``flat.split(sizes)`` gives the pieces)."""
-    return [(torch.cat([g.reshape(-1) for g in members]), positions,
-             [g.numel() for g in members], [g.shape for g in members])
+class _GradGroup(NamedTuple):
+    """One dtype/device's gradients of a backward graph, concatenated into ``flat`` (a static
+    buffer): ``positions`` in the surface, ``templates`` (meta tensors of their shapes) and the
+    members without elements (``empty``, which the one-call split gives as ``[0]``)."""
+
+    flat: Tensor
+    positions: List[int]
+    templates: List[Tensor]
+    empty: Tuple[int, ...]
+
+    def pieces(self) -> List[Tensor]:
+        """A copy of ``flat`` split into the gradients (views of the copy, one host call)."""
+        out = _unflatten_dense_tensors(self.flat.clone(), self.templates)
+        if not self.empty:
+            return list(out)
+        return [self.flat.new_empty(t.shape) if i in self.empty else piece
+                for i, (piece, t) in enumerate(zip(out, self.templates))]
+
+
+def _flat_groups(grads: Sequence[Optional[Tensor]]) -> List[_GradGroup]:
+    """Inside the backward capture: the gradients concatenated into one buffer per dtype/device
+    (:class:`_GradGroup`)."""
+    return [_GradGroup(torch.cat([g.reshape(-1) for g in members]), positions,
+                       [torch.empty(g.shape, dtype=g.dtype, device="meta") for g in members],
+                       tuple(i for i, g in enumerate(members) if g.numel() == 0))
             for members, positions in _by_kind(grads)]
 
 
@@ -440,7 +465,9 @@ class _Replay(torch.autograd.Function):
         ctx.graphs, ctx.generation, ctx.token = graphs, graphs.generation, token
         ctx.rows, ctx.out_rows = trim
         outs = tuple(_first_rows(o, ctx.out_rows).clone() for o in graphs.static_outputs)
-        ctx.mark_non_differentiable(*(o for o, d in zip(outs, graphs.differentiable) if not d))
+        fixed = [o for o, d in zip(outs, graphs.differentiable) if not d]
+        if fixed:
+            ctx.mark_non_differentiable(*fixed)
         return outs
 
     @staticmethod
@@ -457,13 +484,13 @@ class _Replay(torch.autograd.Function):
         with torch.no_grad():
             if ctx.out_rows is None:
                 _copy_grouped(graphs.static_grad_outputs, diff, graphs.grad_output_groups)
-            else:  # the trimmed rows' gradients are zero (every row past them written)
+            else:  # the trimmed rows' gradients are zero (only the backward copy writes them)
                 _copy_padded(graphs.static_grad_outputs, diff, [_ZEROS] * len(diff),
-                             graphs.grad_output_groups, _row_counts(graphs.static_grad_outputs))
+                             graphs.grad_output_groups, graphs.grad_filled)
         graphs.bwd.replay()
         ctx.token.done = True
         grads: List[Optional[Tensor]] = [None] * graphs.surface_size
-        for flat, positions, sizes, shapes in graphs.grad_groups:
-            for i, piece, shape in zip(positions, flat.clone().split(sizes), shapes):
-                grads[i] = piece.view(shape) if ctx.rows[i] is None else piece.view(shape)[:ctx.rows[i]]
+        for group in graphs.grad_groups:
+            for i, piece in zip(group.positions, group.pieces()):
+                grads[i] = piece if ctx.rows[i] is None else piece.narrow(0, 0, ctx.rows[i])
         return (None, None, *grads)

@@ -25,6 +25,8 @@ __all__ = ["degree_stats", "reference"]
 BLOCK = 1024
 """Edges per program."""
 
+_MAPPING = KernelConfig(block_m=BLOCK, num_warps=4, num_stages=1)
+
 
 def reference(dst: Tensor, num_dst: int, index: Optional[Tensor] = None) -> Tensor:
     """``[5]`` int64: the largest count of an in-range destination (0 without one), ``max(0,
@@ -54,8 +56,7 @@ def degree_stats(dst: Tensor, num_dst: int, index: Optional[Tensor] = None) -> T
         return reference(dst, num_dst, index)
     buffer = torch.zeros(5 + num_dst, dtype=torch.int64, device=dst.device)
     stats, counts = buffer[:5], buffer[5:]
-    cfg = KernelConfig(block_m=BLOCK, num_warps=4, num_stages=1)
-    kernel = kernels.fixed("degree_stats", dst.device, cfg, block=BLOCK, has_index=index is not None)
+    kernel = kernels.fixed("degree_stats", dst.device, _MAPPING, block=BLOCK, has_index=index is not None)
     dst = dst.contiguous()  # the kernel reads both indices with unit stride
     index = dst if index is None else index.contiguous()
     kernel.launch((-(-dst.numel() // BLOCK), 1), dst, index, counts, stats, dst.numel(), num_dst)

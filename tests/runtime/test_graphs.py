@@ -619,11 +619,14 @@ def test_tensors_grouped_by_kind_for_copies_and_gradient_buffers():
     assert [(len(m), p) for m, p in capture._copy_groups([a, b, empty, d])] == [(2, [0, 3]),
                                                                              (1, [1])]
     groups = capture._flat_groups([a, None, empty, d, b])
-    assert [(p, n, [tuple(s) for s in shapes]) for _, p, n, shapes in groups] == [
-        ([0, 2, 3], [6, 0, 5], [(2, 3), (0, 5), (5,)]), ([4], [4], [(4,)])]
-    assert torch.equal(groups[0][0], torch.cat([a.reshape(-1), d]))
-    pieces = [piece.view(shape) for piece, shape in zip(groups[0][0].split(groups[0][2]), groups[0][3])]
+    assert [(g.positions, [tuple(t.shape) for t in g.templates], g.empty) for g in groups] == [
+        ([0, 2, 3], [(2, 3), (0, 5), (5,)], (1,)), ([4], [(4,)], ())]
+    assert torch.equal(groups[0].flat, torch.cat([a.reshape(-1), d]))
+    pieces = groups[0].pieces()
     assert torch.equal(pieces[0], a) and pieces[1].shape == (0, 5) and torch.equal(pieces[2], d)
+    # the pieces are a copy: the next replay may overwrite the static buffer
+    groups[0].flat.zero_()
+    assert torch.equal(pieces[0], a) and torch.equal(groups[1].pieces()[0], b)
 
 
 def test_a_failed_generator_repair_warns_and_does_not_raise(monkeypatch):
