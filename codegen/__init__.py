@@ -12,7 +12,8 @@ Public surface (stable signatures; the fx passes rewrite onto these):
   num_dst, *, v_index=None, dropout_p=0.0, seed=0)``: attention over an edge list (PyG layers),
   run by the temporal-attention kernels over the destination-sorted edges;
   :func:`edge_slot_count` ``(dst, num_dst, ranged=())`` reads the slot count ahead, so that a call
-  with ``slots`` reads nothing back (a CUDA graph can capture it)
+  with ``slots`` reads nothing back (a CUDA graph can capture it); ``slots="edges"`` needs no
+  count: each destination's loop runs over its sorted edges (keys and values per edge)
 - :func:`masked_aggregate` ``(x, mask=None, indptr=None, *, index=None, reduce="mean")``
 - :func:`time_encode` ``(dt, w, b)``
 - :func:`linear` ``(x, w, bias=None, residual=None, *, bias_grad="torch")``: projections, by

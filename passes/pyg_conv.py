@@ -22,11 +22,14 @@ decomposed layers, edge features a layer would ignore or reject. Attention dropo
 draws as the layer does: torch's dropout of an ``[E, H]`` tensor, the shape and place of the
 layer's draw, scales each edge's values (``sum_e (p_e m_e) v_e = sum_e p_e (m_e v_e)``), so a
 trained copy takes the layer's masks and follows its trajectory up to rounding.
-``TransformerConv`` (one node set) reads its slot count back, then runs the rest on nodes and
-edges padded to :func:`fastopt.runtime.bucket` sizes through a :class:`_TransformerCore` whose
+``TransformerConv`` (one node set) runs on nodes and edges padded to
+:func:`fastopt.runtime.bucket` sizes through a :class:`_TransformerCore` whose
 :class:`~fastopt.runtime.GraphRunner` replays one CUDA graph pair per padded size (the runner
 writes each call's rows and padding into the graph's inputs and trims the output): at a PyG
-example's sizes the layer's ~70 launches cost more host time than its kernels take. As the fx
+example's sizes the layer's ~70 launches cost more host time than its kernels take. Nothing is
+read back in such a call: the attention runs in the edges form (no slot count), and on a GPU
+the index check reaches the host after the call and raises at the layer's next call
+(:class:`_IndexRanges`). As the fx
 rewrites do, on the CPU with ``kernels.backend="auto"`` the layer runs its own code (faster there
 than the operators' references); ``"reference"`` runs the fused path's references there.
 
@@ -37,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +48,7 @@ from torch import Tensor, nn
 
 from fastopt import codegen
 from fastopt.config import default_config
+from fastopt.errors import KernelError
 from fastopt.passes.module_rewrite import ModuleReplacement, ModuleRewrite, shared_copy
 from fastopt.runtime import GraphCapture, GraphRunner, RowPad, bucket, constant_rows
 
@@ -52,6 +56,10 @@ __all__ = ["FuseTransformerConv", "FuseGatConv", "FuseGatv2Conv", "pyg_conv_clas
 
 CORE_GRAPHS = 4
 """Graph pairs a fused TransformerConv keeps, in units of ``config.passes.max_graphs``."""
+
+PAD_EDGE = -(2**63)
+"""The destination of a padding edge: no index a caller passes has it, so the range check of the
+padded call (:class:`_IndexRanges`) tells padding from a bad destination by value."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -218,36 +226,114 @@ def transformer_conv(layer: nn.Module, x, edge_index: Tensor, edge_attr: Optiona
     """``TransformerConv`` ``layer`` on a dense edge list, attention by ``edge_attention``.
 
     The dropout mask is drawn first, as the layer draws it. Then, for one node set (not
-    bipartite), the slot count is read back (with the index checks) and the rest runs on inputs
-    padded to :func:`fastopt.runtime.bucket` sizes (padding edges reach no destination) through
-    the layer's :class:`_TransformerCore` and its CUDA-graph runner: calls of similar size replay
-    one graph pair. Bipartite calls, and degrees too skewed for the slot layout, run unpadded."""
+    bipartite), the rest runs on inputs padded to :func:`fastopt.runtime.bucket` sizes (padding
+    edges reach no destination) through the layer's :class:`_TransformerCore` and its CUDA-graph
+    runner: calls of similar size replay one graph pair, and nothing is read back (the attention
+    runs in the edges form, the index check is :class:`_IndexRanges`'). Bipartite calls run
+    unpadded, reading their slot count and checking their indices at once."""
     src, dst = edge_index[0], edge_index[1]
     mask = _dropout_mask(layer, x if isinstance(x, Tensor) else x[1], src.numel())
     if isinstance(x, Tensor) and src.numel():
-        rows = x.shape[0]
-        slots = codegen.edge_slot_count(dst, rows, [("edge_index[0]", src, rows)])
-        if slots is not None:
-            return _padded_call(layer, x, src, dst, edge_attr, mask, slots)
+        return _padded_call(layer, x, src, dst, edge_attr, mask)
     x_src, x_dst = (x, x) if isinstance(x, Tensor) else x
     return transformer_edges(layer, x_src, x_dst, src, dst, edge_attr, mask)
 
 
 def _padded_call(layer: nn.Module, x: Tensor, src: Tensor, dst: Tensor,
-                 edge_attr: Optional[Tensor], mask: Optional[Tensor], slots: int) -> Tensor:
+                 edge_attr: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
     """The layer's core on nodes and edges padded to bucket sizes; the real rows of its output.
-    Padding nodes are zero rows; padding edges read node 0 and point at destination ``N`` (one
-    past the last), which leaves them out of every softmax: they change no value or gradient."""
+    Padding nodes are zero rows; padding edges read node 0 and point at :data:`PAD_EDGE`, which
+    the core sends past the last destination, out of every softmax: they change no value or
+    gradient. The index check is the core's :class:`_IndexRanges`: the last call's is settled
+    first."""
     rows, edges = x.shape[0], src.numel()
+    if rows == 0:
+        raise KernelError(f"edge_index has {edges} edges but x has no node (shape "
+                          f"{tuple(x.shape)}); pass one row of x per node")
     # the loader's sizes: four per power of two, so that calls of similar size share graphs
     padded_rows, padded_edges = bucket(rows, 1), bucket(edges, 1)
     on_edges = RowPad(padded_edges)
-    args = (x, src, dst, edge_attr, mask, slots)
-    pads = (RowPad(padded_rows), on_edges, RowPad(padded_edges, padded_rows),
+    args = (x, src, dst, edge_attr, mask)
+    pads = (RowPad(padded_rows), on_edges, RowPad(padded_edges, PAD_EDGE),
             None if edge_attr is None else on_edges, None if mask is None else on_edges)
     core, runner = layer.__dict__["_fastopt_core"], layer.__dict__["_fastopt_core_runner"]
+    core.ranges.settle()
+    core.ranges.prepare(src)
     # the runner writes the rows and the padding into the graph's inputs and trims the output
-    return runner(core, core.forward, args, {}, pads=pads, out_rows=rows)
+    out = runner(core, core.forward, args, {}, pads=pads, out_rows=rows)
+    core.ranges.submit(rows)
+    return out
+
+
+class _IndexRanges:
+    """The index check of a fused ``TransformerConv``'s padded calls, with no host read in the
+    call: the core writes the smallest and largest source and destination of the real edges
+    into :attr:`stats` on the device (part of its CUDA graph), which reach pinned host memory
+    after the call. On a GPU they are checked when the layer is called next (:meth:`settle`,
+    waiting only where the device has not finished that call), so an index outside ``[0, N)``
+    raises :class:`~fastopt.errors.KernelError` one call late, naming the call it came from;
+    elsewhere at once. The bad call itself stays memory-safe (its output is not to be used): the
+    core clamps sources into the padded node rows and sends destinations outside them past the
+    last row."""
+
+    def __init__(self) -> None:
+        self.stats: Optional[Tensor] = None
+        self.host: Optional[Tensor] = None
+        self.event = None
+        self.rows: Optional[int] = None  # the unpadded node count of the call awaiting its check
+
+    def __deepcopy__(self, memo):  # a copy of the layer checks its own calls
+        return _IndexRanges()
+
+    def __reduce__(self):
+        return (_IndexRanges, ())
+
+    def prepare(self, like: Tensor) -> None:
+        """The device buffer (made outside any capture, written by every replay)."""
+        if self.stats is None or self.stats.device != like.device:
+            self.stats = torch.zeros(4, dtype=torch.int64, device=like.device)
+            if like.is_cuda:
+                self.host = torch.zeros(4, dtype=torch.int64, pin_memory=True)
+                self.event = torch.cuda.Event()
+
+    def record(self, src: Tensor, dst: Tensor, rows: int) -> Tuple[Tensor, Tensor]:
+        """Inside the core: write the ranges of the real edges; returns ``(src, dst)`` made safe
+        for ``rows`` (padded) node rows."""
+        real = dst != PAD_EDGE
+        low = torch.where(real, dst, torch.iinfo(torch.int64).max).min()
+        high = torch.where(real, dst, -1).max()
+        self.stats.copy_(torch.stack([src.min(), src.max(), low, high]))
+        inside = (dst >= 0) & (dst < rows)
+        return src.clamp(0, max(rows - 1, 0)), torch.where(inside, dst, rows)
+
+    def submit(self, rows: int) -> None:
+        """After a call: its ranges on their way to the host (checked now off the GPU)."""
+        self.rows = rows
+        if self.event is None:
+            self.settle()
+            return
+        self.host.copy_(self.stats, non_blocking=True)
+        self.event.record()
+
+    def settle(self) -> None:
+        """Check the ranges of the last call submitted, if not yet checked."""
+        rows, self.rows = self.rows, None
+        if rows is None:
+            return
+        if self.event is None:
+            values = self.stats.tolist()
+        else:
+            if not self.event.query():
+                self.event.synchronize()
+            values = self.host.tolist()
+        for name, low, high in (("edge_index[0]", *values[:2]), ("edge_index[1]", *values[2:])):
+            if low < 0 or high >= rows:
+                bad = low if low < 0 else high
+                raise KernelError(
+                    f"{name} held {bad}, outside [0, {rows}) (the node count), in the fused "
+                    f"TransformerConv call before this one (its indices are checked on the "
+                    f"device and reported at the next call; that call's output is not to be "
+                    f"used); pass edges between the {rows} nodes of x")
 
 
 class _TransformerCore(nn.Module):
@@ -264,22 +350,25 @@ class _TransformerCore(nn.Module):
             setattr(self, name, getattr(layer, name, None))
         self.heads, self.out_channels = layer.heads, layer.out_channels
         self.concat, self.root_weight = layer.concat, layer.root_weight
+        self.ranges = _IndexRanges()
 
     def forward(self, x: Tensor, src: Tensor, dst: Tensor, edge_attr: Optional[Tensor],
-                mask: Optional[Tensor], slots: int) -> Tensor:
-        return transformer_edges(self, x, x, src, dst, edge_attr, mask, slots)
+                mask: Optional[Tensor]) -> Tensor:
+        src, dst = self.ranges.record(src, dst, x.shape[0])
+        return transformer_edges(self, x, x, src, dst, edge_attr, mask, "edges")
 
 
 def transformer_edges(layer: nn.Module, x_src: Tensor, x_dst: Tensor, src: Tensor, dst: Tensor,
                       edge_attr: Optional[Tensor], mask: Optional[Tensor],
-                      slots: Optional[int] = None) -> Tensor:
+                      slots: Union[int, str, None] = None) -> Tensor:
     """The layer's projections and attention over the edges ``src -> dst``; ``mask`` the dropout
     multiplier of each edge's values; ``slots`` as :func:`fastopt.codegen.edge_attention` takes
     it (then nothing is read back).
 
     The query, key, value (and skip) projections of one input run as one product; with edge
-    features, keys and values are gathered per edge as one block and the edge projection added
-    to both at once (the attention reads them in place, a row stride apart)."""
+    features or ``slots="edges"``, keys and values are gathered per edge as one block (and the
+    edge projection added to both at once; the attention reads them in place, a row stride
+    apart)."""
     heads, channels = layer.heads, layer.out_channels
     lins = [layer.lin_query] + ([layer.lin_skip] if layer.root_weight else [])
     if x_src is x_dst:
@@ -290,12 +379,13 @@ def transformer_edges(layer: nn.Module, x_src: Tensor, x_dst: Tensor, src: Tenso
         whole, (key, value) = _projections([layer.lin_key, layer.lin_value], x_src)
     query = dst_side[0].reshape(-1, heads, channels)
     scale = 1.0 / math.sqrt(channels)
-    if layer.lin_edge is not None:
-        edge = layer.lin_edge(edge_attr).view(-1, 1, heads, channels)
+    if layer.lin_edge is not None or slots == "edges":
         width = heads * channels
         pair = torch.cat([key, value], dim=-1) if whole is None else \
             whole.narrow(-1, whole.shape[-1] - 2 * width, 2 * width)
-        kv = codegen.gather_rows(pair, src).view(-1, 2, heads, channels) + edge
+        kv = codegen.gather_rows(pair, src).view(-1, 2, heads, channels)
+        if layer.lin_edge is not None:
+            kv = kv + layer.lin_edge(edge_attr).view(-1, 1, heads, channels)
         v = kv[:, 1] if mask is None else kv[:, 1] * mask
         out = codegen.edge_attention(query, kv[:, 0], v, dst, scale=scale, slots=slots)
     else:

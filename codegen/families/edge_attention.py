@@ -34,7 +34,7 @@ from torch import Tensor
 from fastopt.codegen import checks
 from fastopt.codegen.families.degree_stats import degree_stats
 from fastopt.codegen.families.segment_reduce import Segments
-from fastopt.codegen.families.temporal_attention import temporal_attention
+from fastopt.codegen.families.temporal_attention import sorted_edge_attention, temporal_attention
 from fastopt.codegen.layout import acc_dtype
 from fastopt.errors import KernelError
 
@@ -164,7 +164,7 @@ def _in_range(name: str, low: int, high: int, rows: int, fix: str) -> None:
 def edge_attention(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, *,
                    k_index: Optional[Tensor] = None, v_index: Optional[Tensor] = None,
                    scale: Optional[float] = None, dropout_p: float = 0.0,
-                   seed: Union[int, Tensor] = 0, slots: Optional[int] = None) -> Tensor:
+                   seed: Union[int, Tensor] = 0, slots: Union[int, str, None] = None) -> Tensor:
     """Per destination ``n``: ``sum_e softmax_e(q[n] . k_e * scale) v_e`` over edges into ``n``.
 
     Args:
@@ -179,7 +179,11 @@ def edge_attention(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, *,
         seed: Philox key of the dropout draws (see :func:`~fastopt.codegen.temporal_attention`).
         slots: The slot count from :func:`slot_count`, read (and the indices checked) by the
             caller: then nothing is read back (a CUDA graph can capture the call), and an edge
-            whose destination is ``N`` (one past the last) is padding, left out.
+            whose destination is ``N`` (one past the last) is padding, left out. Or
+            ``"edges"``: no slot layout and no slot count (see
+            :func:`~fastopt.codegen.families.temporal_attention.sorted_edge_attention`): nothing is read back and nothing
+            checked, whatever the degrees; keys and values one per edge (no ``k_index`` /
+            ``v_index``), no dropout; destinations must lie in ``[0, N]`` (``N``: padding).
 
     Returns:
         ``[N, H, d]``; destinations without an incoming edge are zeros.
@@ -195,6 +199,8 @@ def edge_attention(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, *,
     if edges == 0:
         # zeros that stay connected to q, k and v (zero gradients, as the sum over no edge has)
         return q.new_zeros(q.shape) + (q[:0].sum() + k[:0].sum() + v[:0].sum())
+    if slots == "edges":
+        return _sorted_edges(q, k, v, dst, k_index, v_index, scale, dropout_p)
     if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1
                               or slots & (slots - 1)):
         raise KernelError(f"slots must be a power of two >= 1 (got {slots!r}); pass the value of "
@@ -216,6 +222,17 @@ def edge_attention(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, *,
     with checks.values_known():  # valid by construction, and checked above
         return temporal_attention(q, k, v, indptr=indptr, k_index=k_slots, v_index=v_slots,
                                   scale=scale, dropout_p=dropout_p, seed=seed)
+
+
+def _sorted_edges(q: Tensor, k: Tensor, v: Tensor, dst: Tensor, k_index: Optional[Tensor],
+                  v_index: Optional[Tensor], scale: Optional[float], dropout_p: float) -> Tensor:
+    """:func:`edge_attention` with ``slots="edges"``."""
+    if k_index is not None or v_index is not None or dropout_p:
+        raise KernelError("slots='edges' takes keys and values one per edge and no dropout (got "
+                          f"k_index={k_index is not None}, v_index={v_index is not None}, "
+                          f"dropout_p={dropout_p}); gather them per edge, or pass slots=None")
+    indptr, perm = edge_csr(dst, q.shape[0])
+    return sorted_edge_attention(q, k, v, indptr, perm, scale=scale)
 
 
 def edge_softmax_aggregate(scores: Tensor, v: Tensor, dst: Tensor, num_dst: int, *,

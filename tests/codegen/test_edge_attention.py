@@ -243,3 +243,37 @@ def test_slot_count_reads_degrees_and_ranges_in_one_pass(device):
         cg.edge_slot_count(dst, 4, [("a", src.float(), 4)])
     many = torch.zeros(3000, dtype=torch.long, device=device)  # one destination, many programs
     assert cg.edge_slot_count(many, 1) == 4096  # in-degree 3000 counted across three programs
+
+
+@pytest.mark.parametrize("heads,dim", [(1, 4), (2, 7)])
+def test_edges_form_matches_the_segment_reference(device, triton_backend, heads, dim):
+    """``slots="edges"``: each destination loops over its sorted edges (no slot count read);
+    keys and values per edge, read in place as the two column blocks of one tensor; edges into
+    destination N (one past the last) are padding, left out with zero gradients; a skewed
+    row (a hub of 30 edges beside rows of 1) and rows without an edge."""
+    src, dst, g = _graph()
+    nodes = 9
+    dst = torch.cat([dst, torch.full((30,), 3), torch.full((5,), nodes)])  # a hub, then padding
+    edges = dst.numel()
+    q = _leaf(torch.randn(nodes, heads, dim, generator=g, dtype=torch.float64), device)
+    kv = _leaf(torch.randn(edges, 2, heads, dim, generator=g, dtype=torch.float64), device)
+    out = cg.edge_attention(q, kv[:, 0], kv[:, 1], dst.to(device), slots="edges")
+    real = dst < nodes
+    ref = cg.reference.edge_attention(q, kv[:, 0][real.to(device)], kv[:, 1][real.to(device)],
+                                      dst[real].to(device))
+    torch.testing.assert_close(out, ref)
+    assert out[-2:].abs().max() == 0
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64).to(device)
+    got, want = torch.autograd.grad(out, (q, kv), grad), torch.autograd.grad(ref, (q, kv), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert got[1][~real.to(device)].abs().max() == 0  # padding edges: zero gradients
+
+
+def test_edges_form_refuses_table_indices_and_dropout():
+    q, kv = torch.randn(3, 1, 4), torch.randn(5, 1, 4)
+    dst = torch.tensor([0, 1, 1, 2, 0])
+    with pytest.raises(KernelError, match="slots='edges' takes keys and values one per edge"):
+        cg.edge_attention(q, kv, kv, dst, k_index=dst, slots="edges")
+    with pytest.raises(KernelError, match="dropout_p=0.5"):
+        cg.edge_attention(q, kv, kv, dst, dropout_p=0.5, slots="edges")

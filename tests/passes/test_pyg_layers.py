@@ -364,3 +364,39 @@ def test_transformer_conv_calls_of_changing_size_share_a_graph_and_stay_exact():
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     runner = fast.__dict__["_fastopt_core_runner"]
     assert runner.record.captures == 1 and runner.held == 1, runner.record
+
+
+@pytest.mark.parametrize("row,bad", [(0, NODES), (1, -1), (1, NODES + 40)])
+def test_transformer_conv_out_of_range_edges_raise_off_the_gpu_at_once(reference_backend, row, bad):
+    """The padded core checks its indices on the device (no host read in the call); off the GPU
+    the check is read at once: a source or destination outside [0, N) raises, naming it."""
+    layer = LAYERS["transformer"]().eval()
+    fast = fastopt.optimize(copy.deepcopy(layer))
+    x, edge_index, edge_attr = _graph()
+    edge_index = edge_index.clone()
+    edge_index[row, 7] = bad
+    with pytest.raises(fastopt.FastOptError, match=rf"edge_index\[{row}\] held {bad}, outside "
+                                                   rf"\[0, {NODES}\).*pass edges between"):
+        fast(x, edge_index, edge_attr)
+    x, edge_index, edge_attr = _graph()  # the layer goes on working
+    torch.testing.assert_close(fast(x, edge_index, edge_attr), layer(x, edge_index, edge_attr),
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_transformer_conv_out_of_range_edges_raise_at_the_next_call_on_the_gpu():
+    """On a GPU the bad call returns (its check reaches the host after it; memory-safe), and the
+    layer's next call raises naming the index, the value and the node count; the one after runs."""
+    torch.manual_seed(0)
+    fast = fastopt.optimize(TransformerConv(IN, 6, heads=2, edge_dim=EDGE_DIM).cuda().eval())
+    x, edge_index, edge_attr = (t.cuda() for t in _graph())
+    bad = edge_index.clone()
+    bad[0, 3] = NODES + 100
+    fast(x, bad, edge_attr)
+    torch.cuda.synchronize()
+    with pytest.raises(fastopt.FastOptError, match=rf"edge_index\[0\] held {NODES + 100}, outside "
+                                                   rf"\[0, {NODES}\).*call before this one"):
+        fast(x, edge_index, edge_attr)
+    fast(x, edge_index, edge_attr)
+    fast(x, edge_index, edge_attr)  # the good calls' checks pass

@@ -27,9 +27,10 @@ from torch import Tensor
 from fastopt.codegen.families.temporal_attention import launch, reference
 from fastopt.codegen.families.temporal_attention.checks import (MAX_SEED, check_attention,
                                                                  check_shared_block, key_rows)
+from fastopt.codegen import checks as checks_
 from fastopt.codegen.library import FusedOp, eager_kernels, fused_op
 
-__all__ = ["temporal_attention", "shared_attention", "dropout_seed"]
+__all__ = ["temporal_attention", "shared_attention", "sorted_edge_attention", "dropout_seed"]
 
 Optional_ = Optional[Tensor]
 
@@ -148,3 +149,34 @@ def shared_attention(q: Tensor, k: Tensor, v: Tensor, sq: Tensor, se: Tensor,
     check_shared_block(q, sq, se, layout)
     return _call(shared_op, q, k, v, (sq, se), mask, indptr, k_index, v_index, scale, dropout_p,
                  seed)
+
+
+def sorted_edge_attention(q: Tensor, k: Tensor, v: Tensor, indptr: Tensor, perm: Tensor, *,
+                          scale: Optional[float] = None) -> Tensor:
+    """The edges form of :func:`temporal_attention`: row ``m`` attends over the edges
+    ``perm[indptr[m]] .. perm[indptr[m + 1] - 1]``, keys and values one per edge.
+
+    No slot layout is built and nothing is read back: the kernels loop over each tile's longest
+    row, so a CUDA graph captures the call whatever the degrees. ``perm`` must be a permutation
+    of some or all edges (each edge at most once: the backward stores each edge's key and value
+    gradient, zero for edges no row reaches), ``indptr`` non-decreasing within ``[0, E]``; the
+    caller builds both (:func:`fastopt.codegen.edge_attention` with ``slots="edges"``), so only
+    shapes are checked here. No dropout.
+
+    Args:
+        q: Queries ``[M, H, d]``.
+        k, v: Keys and values ``[E, H, d]``, one row per edge (rows evenly spaced: the two
+            column blocks of one product are read in place).
+        indptr: ``[M + 1]`` offsets into ``perm``.
+        perm: ``[E]`` edge ids sorted by row.
+        scale: Score scale; default ``1 / sqrt(d)``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v), ("indptr", indptr), ("perm", perm)):
+        checks_.is_tensor(name, t)
+    checks_.has_ndim("q", q, 3, "[M, H, d]")
+    checks_.has_shape("indptr", indptr, (q.shape[0] + 1,), "[M + 1], the rows' offsets into perm")
+    checks_.has_ndim("perm", perm, 1, "[E], edge ids sorted by row")
+    for name, t in (("k", k), ("v", v)):
+        checks_.has_shape(name, t, (perm.numel(),) + tuple(q.shape[1:]), "[E, H, d], one row per edge")
+    checks_.same_device(q, k=k, v=v, indptr=indptr, perm=perm)
+    return _call(attention_op, q, k, v, (), None, indptr, perm, perm, scale, 0.0, 0)

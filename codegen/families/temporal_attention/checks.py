@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from fastopt.codegen import checks
 from fastopt.codegen.checks import INDEX_DTYPES, NeighborLayout
 from fastopt.errors import KernelError
 
-__all__ = ["MAX_SEED", "check_attention", "check_shared_block", "row_stride", "key_rows"]
+__all__ = ["MAX_SEED", "check_attention", "check_shared_block", "edge_slots", "row_stride",
+           "key_rows", "sorted_edges"]
 
 MAX_SEED = 2**31
 
@@ -76,6 +78,24 @@ def check_shared_block(q: Tensor, sq: Tensor, se: Tensor, layout: NeighborLayout
         raise KernelError(f"sq has shape {tuple(sq.shape)}; the shared block needs S >= 1 "
                           f"features (pass the attention without it instead)")
     checks.has_shape("se", se, (layout.rows, layout.slots, width), "[M, K, S], one block per slot")
+
+
+def sorted_edges(indptr: Optional[Tensor], k_index: Optional[Tensor]) -> bool:
+    """Whether the attention runs in the edges form: ``indptr [M + 1]`` over a list of edges
+    sorted by row, ``k_index [E]`` (one-dimensional) naming each position's key/value row
+    (``v_index`` is the same tensor), as :func:`fastopt.codegen.edge_attention` passes them."""
+    return indptr is not None and k_index is not None and k_index.dim() == 1
+
+
+def edge_slots(indptr: Tensor, index: Tensor) -> Tensor:
+    """The slot layout ``[M, K]`` of the edges form (``K`` the longest row, at least 1; one host
+    read): row ``m``'s slot ``j`` holds ``index[indptr[m] + j]`` for ``j`` below its count, 0
+    past it (masked by ``indptr``). For the references, which run on slots."""
+    counts = indptr[1:] - indptr[:-1]
+    slots = max(1, int(counts.max())) if counts.numel() else 1
+    j = torch.arange(slots, device=index.device)
+    pos = (indptr[:-1, None] + j).clamp(max=max(index.numel() - 1, 0))
+    return torch.where(j[None, :] < counts[:, None], index[pos] if index.numel() else 0, 0)
 
 
 def row_stride(t: Tensor, dense: bool) -> Optional[int]:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from fastopt.codegen import kernels
 from fastopt.codegen.families.segment_reduce import segment_reduce, slot_segments
-from fastopt.codegen.families.temporal_attention.checks import row_stride
+from fastopt.codegen.families.temporal_attention.checks import row_stride, sorted_edges
 from fastopt.codegen.families.temporal_attention.reference import DROPOUT_BITS, dropout_threshold
 from fastopt.codegen.kernel_config import FORWARD_ELEMENTS_PER_WARP
 from fastopt.codegen.layout import acc_dtype, mask_args, mask_form
@@ -33,7 +33,8 @@ def _dropout_args(dropout_p: float) -> Tuple[int, float]:
 def _attention_spec(q: Tensor, k: Tensor, v: Tensor, mask, indptr, k_index, v_index,
                     dropout_p: float, stage: str, seed=0) -> dict:
     rows, heads, dim = q.shape
-    slots = (k_index if k_index is not None else k).shape[1]
+    edges = sorted_edges(indptr, k_index)
+    slots = 0 if edges else (k_index if k_index is not None else k).shape[1]
     strides = [row_stride(t, index is None) for t, index in ((k, k_index), (v, v_index))]
     if None in strides:
         raise KernelError("attention keys and values need rows of H*d contiguous elements, evenly "
@@ -43,7 +44,8 @@ def _attention_spec(q: Tensor, k: Tensor, v: Tensor, mask, indptr, k_index, v_in
     return dict(stage=stage, K=slots, H=heads, D=dim, k_stride=strides[0], v_stride=strides[1],
                 shared_index=_same_index(k_index, v_index), align=align, shared_dim=0,
                 dk_stride=heads * dim, dv_stride=heads * dim, dtype=kernels.TL_DTYPES[q.dtype],
-                acc=kernels.TL_DTYPES[acc_dtype(q.dtype)], mask_form=mask_form(mask, indptr),
+                acc=kernels.TL_DTYPES[acc_dtype(q.dtype)],
+                mask_form="edges" if edges else mask_form(mask, indptr),
                 k_indexed=k_index is not None, v_indexed=v_index is not None,
                 dropout=dropout_p > 0.0, dropout_bits=DROPOUT_BITS,
                 seed_in_memory=isinstance(seed, Tensor))
@@ -57,7 +59,7 @@ def _attention_forward(q, k, v, mask, indptr, k_index, v_index, scale, dropout_p
     if shared is not None:
         spec["shared_dim"] = shared[0].shape[-1]
     # a slot's shared-block gradient sums over heads: the shared variant keeps them together
-    kernel = kernels.specialize("temporal_attention", q.device, (spec["K"], heads, dim),
+    kernel = kernels.specialize("temporal_attention", q.device, (max(spec["K"], 1), heads, dim),
                                 row_tiles=True, warp_elements=FORWARD_ELEMENTS_PER_WARP,
                                 all_heads=shared is not None, backward_mode="", write_coef=False,
                                 softmax=default_config().kernels.attention_softmax, **spec)
@@ -106,10 +108,11 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
     if packed:
         spec.update(dk_stride=2 * heads * dim, dv_stride=2 * heads * dim)
     slots = spec["K"]
+    edges = spec["mask_form"] == "edges"
     indexed = k_index is not None or v_index is not None
-    # per-slot coefficients that segment_reduce sums per table row
-    write_coef = indexed and mode == "deterministic"
-    kernel = kernels.specialize("temporal_attention", q.device, (slots, heads, dim),
+    # per-slot coefficients that segment_reduce sums per table row (the edges form stores rows)
+    write_coef = indexed and mode == "deterministic" and not edges
+    kernel = kernels.specialize("temporal_attention", q.device, (max(slots, 1), heads, dim),
                                 row_tiles=True, backward_mode=mode, all_heads=shared is not None,
                                 write_coef=write_coef, grad_dtype=spec["dtype"], **spec)
     acc = acc_dtype(q.dtype)
@@ -118,6 +121,8 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
     def grad_buffer(t: Tensor, index: Optional[Tensor]) -> Tensor:
         if index is None:
             return kernels.empty_like(t)
+        if edges:  # the rows of no sorted position (edges into no row) stay zero
+            return torch.zeros(t.shape, device=t.device, dtype=t.dtype)
         if mode == "atomic":
             return torch.zeros(t.shape, device=t.device, dtype=acc)
         return q  # unused: rows are produced by segment_reduce below
@@ -145,6 +150,8 @@ def _attention_backward(grad_out, q, k, v, out, lse, mask, indptr, k_index, v_in
                   k_index if k_index is not None else q, v_index if v_index is not None else q,
                   *shared_in, out, grad_out, lse, dq, dk, dv, ds_coef,
                   pd_coef, *shared_grads, rows, scale, seed, threshold, drop_scale)
+    if edges:
+        return dq, dk, dv, dsq, dse
     if mode == "atomic":
         dk = dk.to(k.dtype) if k_index is not None else dk
         dv = dv.to(v.dtype) if v_index is not None else dv

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from fastopt.codegen.layout import acc_dtype, gather, scatter, valid_slots
+from fastopt.codegen.families.temporal_attention.checks import edge_slots, sorted_edges
 
 __all__ = [
     "DROPOUT_BITS", "dropout_threshold", "dropout_keep", "attention_dropout",
@@ -109,6 +110,8 @@ def temporal_attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional_ 
                                v_index: Optional_ = None, scale: Optional[float] = None,
                                dropout_p: float = 0.0, seed: int = 0) -> Tuple[Tensor, Tensor]:
     """:func:`temporal_attention` that also returns the log-sum-exp ``[M, H]`` (float32/64)."""
+    if sorted_edges(indptr, k_index):
+        k_index = v_index = edge_slots(indptr, k_index)
     cdt = acc_dtype(q.dtype)
     rows, heads, dim = q.shape
     kd = gather(k, k_index).to(cdt)
@@ -149,6 +152,8 @@ def temporal_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
     ``ds_j = p_j (dp_j - D)``; ``dq = scale sum_j ds_j k_j``, ``dk_j = scale ds_j q``,
     ``dv_j = p_j dout``. Indexed keys/values get their slot gradients summed into table rows.
     """
+    if sorted_edges(indptr, k_index):
+        k_index = v_index = edge_slots(indptr, k_index)
     cdt = acc_dtype(q.dtype)
     kd = gather(k, k_index).to(cdt)
     vd = gather(v, v_index).to(cdt)
