@@ -14,7 +14,8 @@
 # bench for TGAT and TGN, CONTENDERS per model, then each model's fastopt again in a second process
 # for the first epoch with the kernel cache warm; bench.log, bench-*.json), "accuracy"
 # (bench/accuracy.py, 10 epochs x SEEDS x VARIANTS (eager fastopt); accuracy.{log,json})
-# and "pyg" (bench/pyg_tgn.py; pyg.{log,json}); "pygconv": its layer check and timing only;
+# and "pyg" (bench/pyg_tgn.py; pyg.{log,json}; PYG_EPOCHS (5), SEEDS (0 1 2), PYG_CONTROL= to leave out
+# the control runs); "pygconv": its layer check and timing only;
 # "pygap": its layer timing and AP study only. "tune": fastopt tune for each of TUNE_MODELS
 # (tgn tgat) on each of TUNE_DATASETS (wikipedia; email-eu-core, the other shipped graph; or a path
 # carried in a git-ignored folder), TRIALS trials (40) in one SQLite file, records to $OUT/records (--max-device-memory
@@ -115,16 +116,18 @@ fi
 [[ " $STEPS " == *" accuracy "* ]] && FASTOPT_SAMPLER_THREADS=2 timeout "${ACCURACY_S:-300}" python3 bench/accuracy.py \
     --datasets wikipedia --seeds ${SEEDS:-0 1 2} --variants ${VARIANTS:-eager fastopt} --jobs "${JOBS:-12}" \
     --json "$OUT/accuracy.json" -- --batch-size 600 --edge-dim 172 --mrr-negatives 0 > "$OUT/accuracy.log" 2>&1
-[[ " $STEPS " == *" pyg "* ]] && timeout "${PYG_S:-480}" python3 bench/pyg_tgn.py --device cuda --epochs 5 --control \
-    --seeds ${SEEDS:-0 1 2} --json "$OUT/pyg.json" > "$OUT/pyg.log" 2>&1
+[[ " $STEPS " == *" pyg "* ]] && timeout "${PYG_S:-480}" python3 bench/pyg_tgn.py --device cuda --epochs "${PYG_EPOCHS:-5}" \
+    ${PYG_CONTROL---control} --seeds ${SEEDS:-0 1 2} --iters 200 --warmup 20 --json "$OUT/pyg.json" > "$OUT/pyg.log" 2>&1
 # pygconv: the layer check and timing alone (pygconv.{log,json})
 [[ " $STEPS " == *" pygconv "* ]] && timeout "${PYGCONV_S:-120}" python3 bench/pyg_tgn.py --device cuda --skip-epochs \
     --iters 200 --warmup 20 --json "$OUT/pygconv.json" > "$OUT/pygconv.log" 2>&1
 # pygap: the layer check and timing, then the AP study: AP_SEEDS (24 seeds) x 3 contenders, 5 epochs,
 # PYG_JOBS (8) processes at a time (pygap.{log,json}); AP_MERGE: earlier calls' pygap.json or logs to add
-# (24 seeds take two calls of ~8 minutes at PYG_JOBS=12)
+# (24 seeds take two calls of ~8 minutes at PYG_JOBS=12); AP_LABELS: the contenders to train (default
+# all three: pyg fastopt pyg-control), each paired with PyG's runs here or merged; PYGAP_ITERS: layer timing steps
 [[ " $STEPS " == *" pygap "* ]] && timeout "${PYGAP_S:-540}" python3 bench/pyg_tgn.py --device cuda --epochs 5 \
-    --skip-epochs --iters 200 --warmup 20 --ap-seeds ${AP_SEEDS:-$(seq 0 23)} --jobs "${PYG_JOBS:-8}" ${AP_MERGE:+--ap-merge $AP_MERGE} \
+    --skip-epochs --iters "${PYGAP_ITERS:-200}" --warmup 20 --ap-seeds ${AP_SEEDS:-$(seq 0 23)} --jobs "${PYG_JOBS:-8}" ${AP_MERGE:+--ap-merge $AP_MERGE} \
+    ${AP_LABELS:+--ap-labels $AP_LABELS} \
     --json "$OUT/pygap.json" > "$OUT/pygap.log" 2>&1
 if [[ " $STEPS " == *" host "* ]]; then
     # features in host memory through SlimCache (a budget of cache.budget_fraction, 0.1 by default)

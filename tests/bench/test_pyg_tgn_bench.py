@@ -157,6 +157,35 @@ def test_ap_studies_of_several_calls_merge(tmp_path, capsys):
         script.main(["--device", "cpu", "--ap-merge", str(tmp_path / "nothing.log")])
 
 
+def test_ap_labels_train_some_contenders_and_pair_them_with_merged_runs(tmp_path, monkeypatch):
+    """--ap-labels fastopt trains only fastopt's runs; its gaps pair with PyG's runs of an
+    earlier call (--ap-merge) by seed, and the control's gap comes from the merged runs alone,
+    over the seeds it has."""
+    script = load("pyg_tgn")
+    seen = []
+
+    def run(graph, *, seed, modules, perturb, **kwargs):
+        seen.append((seed, modules is fastopt.optimize))
+        return {"test": {"ap": 0.9 + 0.01 * seed}, "val": {"ap": 0.9}, "loss": [0.5]}
+
+    monkeypatch.setattr(script, "run_pyg_tgn", run)
+    earlier = [{"label": label, "seed": seed, "test_ap": 0.9 + 0.01 * seed - bump}
+               for seed in (0, 1, 2) for label, bump in (("pyg", 0.002), ("pyg-control", 0.001))]
+    earlier += [{"label": "fastopt", "seed": 0, "test_ap": 0.1}]  # replaced by this call's run
+    (tmp_path / "a.json").write_text(json.dumps({"ap_study": {"runs": earlier}}))
+    argv = _args(tmp_path)
+    del argv[argv.index("--seeds"):argv.index("--seeds") + 3]
+    assert script.main(argv + ["--skip-epochs", "--ap-seeds", "0", "1", "--ap-labels", "fastopt",
+                               "--jobs", "1", "--ap-merge", str(tmp_path / "a.json")]) == 0
+    assert sorted(seen) == [(0, True), (1, True)]
+    study = json.loads((tmp_path / "out.json").read_text())["ap_study"]
+    assert study["fastopt_minus_pyg"]["seeds"] == [0, 1]
+    assert study["fastopt_minus_pyg"]["per_seed"] == pytest.approx([0.2, 0.2])
+    assert study["control_minus_pyg"]["seeds"] == [0, 1, 2]
+    assert study["control_minus_pyg"]["mean"] == pytest.approx(0.1)
+    assert study["seeds"] == [0, 1]
+
+
 def test_bench_fails_on_a_wrong_layer(tmp_path, monkeypatch):
     script = load("pyg_tgn")
     from fastopt.passes import pyg_conv
