@@ -50,7 +50,7 @@ from fastopt import codegen
 from fastopt.config import default_config
 from fastopt.errors import KernelError
 from fastopt.passes.module_rewrite import ModuleReplacement, ModuleRewrite, shared_copy
-from fastopt.runtime import GraphCapture, GraphRunner, RowPad, bucket, constant_rows
+from fastopt.runtime import GraphCapture, GraphRunner, RowPad, bucket, capturing, constant_rows
 
 __all__ = ["FuseTransformerConv", "FuseGatConv", "FuseGatv2Conv", "pyg_conv_classes"]
 
@@ -58,8 +58,9 @@ CORE_GRAPHS = 4
 """Graph pairs a fused TransformerConv keeps, in units of ``config.passes.max_graphs``."""
 
 PAD_EDGE = -(2**63)
-"""The destination of a padding edge: no index a caller passes has it, so the range check of the
-padded call (:class:`_IndexRanges`) tells padding from a bad destination by value."""
+"""The destination of a padding edge (int64; a call's indices are taken as int64): the range
+check of the padded call (:class:`_IndexRanges`) tells padding from a bad destination by this
+value, so a destination of exactly this value would pass as padding (left out, not reported)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -253,10 +254,14 @@ def _padded_call(layer: nn.Module, x: Tensor, src: Tensor, dst: Tensor,
     # the loader's sizes: four per power of two, so that calls of similar size share graphs
     padded_rows, padded_edges = bucket(rows, 1), bucket(edges, 1)
     on_edges = RowPad(padded_edges)
+    src, dst = src.long(), dst.long()  # PAD_EDGE is int64 (no copy for int64 indices)
     args = (x, src, dst, edge_attr, mask)
     pads = (RowPad(padded_rows), on_edges, RowPad(padded_edges, PAD_EDGE),
             None if edge_attr is None else on_edges, None if mask is None else on_edges)
     core, runner = layer.__dict__["_fastopt_core"], layer.__dict__["_fastopt_core_runner"]
+    if capturing():  # inside an enclosing graph's capture: no event, no read (not checked)
+        core.ranges.prepare(src)
+        return runner(core, core.forward, args, {}, pads=pads, out_rows=rows)
     core.ranges.settle()
     core.ranges.prepare(src)
     # the runner writes the rows and the padding into the graph's inputs and trims the output
@@ -274,7 +279,8 @@ class _IndexRanges:
     raises :class:`~fastopt.errors.KernelError` one call late, naming the call it came from;
     elsewhere at once. The bad call itself stays memory-safe (its output is not to be used): the
     core clamps sources into the padded node rows and sends destinations outside them past the
-    last row."""
+    last row. Not checked: the calls inside an enclosing CUDA graph's capture (a whole-step
+    graph), and a layer's last call until the layer is called again."""
 
     def __init__(self) -> None:
         self.stats: Optional[Tensor] = None
@@ -289,12 +295,14 @@ class _IndexRanges:
         return (_IndexRanges, ())
 
     def prepare(self, like: Tensor) -> None:
-        """The device buffer (made outside any capture, written by every replay)."""
+        """The device buffer (made outside any capture, written by every replay); normal
+        tensors even when the first call runs under ``torch.inference_mode()``."""
         if self.stats is None or self.stats.device != like.device:
-            self.stats = torch.zeros(4, dtype=torch.int64, device=like.device)
-            if like.is_cuda:
-                self.host = torch.zeros(4, dtype=torch.int64, pin_memory=True)
-                self.event = torch.cuda.Event()
+            with torch.inference_mode(False):
+                self.stats = torch.zeros(4, dtype=torch.int64, device=like.device)
+                if like.is_cuda:
+                    self.host = torch.zeros(4, dtype=torch.int64, pin_memory=True)
+                    self.event = torch.cuda.Event()
 
     def record(self, src: Tensor, dst: Tensor, rows: int) -> Tuple[Tensor, Tensor]:
         """Inside the core: write the ranges of the real edges; returns ``(src, dst)`` made safe
@@ -313,7 +321,8 @@ class _IndexRanges:
             self.settle()
             return
         self.host.copy_(self.stats, non_blocking=True)
-        self.event.record()
+        # on the stream of the layer's device, which need not be the current device
+        self.event.record(torch.cuda.current_stream(self.stats.device))
 
     def settle(self) -> None:
         """Check the ranges of the last call submitted, if not yet checked."""
@@ -339,8 +348,9 @@ class _IndexRanges:
 class _TransformerCore(nn.Module):
     """A fused ``TransformerConv``'s per-call work on padded inputs, holding the layer's own
     projections (shared, not copies): the module its :class:`~fastopt.runtime.GraphRunner`
-    captures, one graph pair per padded shape, slot count, grad mode and training flags. Kept
-    out of the layer's registered submodules, so that the layer's ``state_dict`` is PyG's."""
+    captures, one graph pair per padded shape, grad mode and training flags; its
+    :class:`_IndexRanges` checks the calls' indices. Kept out of the layer's registered
+    submodules, so that the layer's ``state_dict`` is PyG's."""
 
     parts = ("lin_query", "lin_key", "lin_value", "lin_edge", "lin_skip", "lin_beta")
 

@@ -277,3 +277,14 @@ def test_edges_form_refuses_table_indices_and_dropout():
         cg.edge_attention(q, kv, kv, dst, k_index=dst, slots="edges")
     with pytest.raises(KernelError, match="dropout_p=0.5"):
         cg.edge_attention(q, kv, kv, dst, dropout_p=0.5, slots="edges")
+
+
+def test_edges_form_checks_dtypes():
+    from fastopt.codegen.families.temporal_attention import sorted_edge_attention
+
+    q, kv = torch.randn(3, 1, 4), torch.randn(5, 1, 4)
+    indptr, perm = torch.tensor([0, 2, 4, 5]), torch.arange(5)
+    with pytest.raises(KernelError, match="k has dtype torch.float16"):
+        sorted_edge_attention(q, kv.half(), kv, indptr, perm)
+    with pytest.raises(KernelError, match="perm has dtype torch.float32"):
+        sorted_edge_attention(q, kv, kv, indptr, perm.float())

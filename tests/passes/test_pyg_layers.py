@@ -400,3 +400,22 @@ def test_transformer_conv_out_of_range_edges_raise_at_the_next_call_on_the_gpu()
         fast(x, edge_index, edge_attr)
     fast(x, edge_index, edge_attr)
     fast(x, edge_index, edge_attr)  # the good calls' checks pass
+
+
+def test_transformer_conv_takes_int32_edges_and_a_first_call_in_inference_mode(reference_backend):
+    """int32 edge indices give PyG's output (the padded call works on int64 indices, whose
+    padding value int32 cannot hold); a first call under torch.inference_mode() leaves the
+    index check's buffers usable by the training calls after it."""
+    layer = LAYERS["transformer"]()
+    fast = fastopt.optimize(copy.deepcopy(layer))
+    x, edge_index, edge_attr = _graph()
+    layer.eval(), fast.eval()
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x, edge_index.int(), edge_attr), layer(x, edge_index, edge_attr),
+                                   rtol=1e-4, atol=1e-5)
+    grad = torch.randn(NODES, 12, generator=torch.Generator().manual_seed(3))
+    want, want_grads = _run(layer, *_leaves(x, edge_attr)[:1], edge_index, _leaves(x, edge_attr)[1], grad)
+    got, got_grads = _run(fast, *_leaves(x, edge_attr)[:1], edge_index.int(), _leaves(x, edge_attr)[1], grad)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -24,11 +24,12 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from fastopt.codegen import checks as checks_
 from fastopt.codegen.families.temporal_attention import launch, reference
 from fastopt.codegen.families.temporal_attention.checks import (MAX_SEED, check_attention,
                                                                  check_shared_block, key_rows)
-from fastopt.codegen import checks as checks_
 from fastopt.codegen.library import FusedOp, eager_kernels, fused_op
+from fastopt.errors import KernelError
 
 __all__ = ["temporal_attention", "shared_attention", "sorted_edge_attention", "dropout_seed"]
 
@@ -158,10 +159,11 @@ def sorted_edge_attention(q: Tensor, k: Tensor, v: Tensor, indptr: Tensor, perm:
 
     No slot layout is built and nothing is read back: the kernels loop over each tile's longest
     row, so a CUDA graph captures the call whatever the degrees. ``perm`` must be a permutation
-    of some or all edges (each edge at most once: the backward stores each edge's key and value
-    gradient, zero for edges no row reaches), ``indptr`` non-decreasing within ``[0, E]``; the
-    caller builds both (:func:`fastopt.codegen.edge_attention` with ``slots="edges"``), so only
-    shapes are checked here. No dropout.
+    of the ``E`` edges (the backward stores each edge's key and value gradient, zero for the
+    edges past ``indptr[M]``, which no row reaches), ``indptr`` non-decreasing within
+    ``[0, E]``; the caller builds both (:func:`fastopt.codegen.edge_attention` with
+    ``slots="edges"``), so their values are not checked here, only shapes and dtypes. No
+    dropout.
 
     Args:
         q: Queries ``[M, H, d]``.
@@ -179,4 +181,10 @@ def sorted_edge_attention(q: Tensor, k: Tensor, v: Tensor, indptr: Tensor, perm:
     for name, t in (("k", k), ("v", v)):
         checks_.has_shape(name, t, (perm.numel(),) + tuple(q.shape[1:]), "[E, H, d], one row per edge")
     checks_.same_device(q, k=k, v=v, indptr=indptr, perm=perm)
+    checks_.floating("q", q)
+    checks_.floating("k", k, q.dtype)
+    checks_.floating("v", v, q.dtype)
+    for name, t in (("indptr", indptr), ("perm", perm)):
+        if t.dtype not in checks_.INDEX_DTYPES:
+            raise KernelError(f"{name} has dtype {t.dtype}; supported: int32, int64. Use {name}.long()")
     return _call(attention_op, q, k, v, (), None, indptr, perm, perm, scale, 0.0, 0)
