@@ -208,6 +208,14 @@ class _FusedTransformerConv(ModuleReplacement):
             return self._fastopt_original(x, edge_index, edge_attr, return_attention_weights)
         return transformer_conv(self, x, edge_index, edge_attr)
 
+    def train(self, mode: bool = True):
+        """As ``nn.Module.train``, after checking the last call's indices (:class:`_IndexRanges`):
+        a bad index in a training epoch's last call raises at ``model.eval()``, not never."""
+        core = self.__dict__.get("_fastopt_core")
+        if core is not None:
+            core.ranges.settle()
+        return super().train(mode)
+
 
 def _projections(lins, x: Tensor) -> Tuple[Optional[Tensor], list]:
     """``(whole, [lin(x) for lin in lins])``: one product of the stacked weights whose column
@@ -279,8 +287,10 @@ class _IndexRanges:
     raises :class:`~fastopt.errors.KernelError` one call late, naming the call it came from;
     elsewhere at once. The bad call itself stays memory-safe (its output is not to be used): the
     core clamps sources into the padded node rows and sends destinations outside them past the
-    last row. Not checked: the calls inside an enclosing CUDA graph's capture (a whole-step
-    graph), and a layer's last call until the layer is called again."""
+    last row. The pending check is also settled by the layer's ``train()`` / ``eval()`` (a
+    model's switch to evaluation checks its last training call). Not checked: the calls inside
+    an enclosing CUDA graph's capture (a whole-step graph), and a last call that neither a call
+    nor a mode switch follows."""
 
     def __init__(self) -> None:
         self.stats: Optional[Tensor] = None

@@ -419,3 +419,20 @@ def test_transformer_conv_takes_int32_edges_and_a_first_call_in_inference_mode(r
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_pending_index_check_is_settled_by_a_mode_switch(reference_backend):
+    """On a GPU a call's index check waits for the layer's next call; model.eval() / .train()
+    settle it too, so a bad index in an epoch's last call is reported at the switch. (The CPU
+    settles at once: here a pending bad check is set by hand, as a GPU call leaves it.)"""
+    model = torch.nn.Sequential(LAYERS["transformer"]())
+    fast = fastopt.optimize(model)
+    x, edge_index, edge_attr = _graph()
+    fast[0](x, edge_index, edge_attr)
+    ranges = fast[0].__dict__["_fastopt_core"].ranges
+    ranges.stats.copy_(torch.tensor([0, NODES + 5, 0, 3]))
+    ranges.rows = NODES
+    with pytest.raises(fastopt.FastOptError, match=rf"edge_index\[0\] held {NODES + 5}, outside"):
+        fast.eval()
+    fast.eval()  # settled once: nothing pending
+    fast[0](x, edge_index, edge_attr)
