@@ -267,14 +267,14 @@ def _padded_call(layer: nn.Module, x: Tensor, src: Tensor, dst: Tensor,
     pads = (RowPad(padded_rows), on_edges, RowPad(padded_edges, PAD_EDGE),
             None if edge_attr is None else on_edges, None if mask is None else on_edges)
     core, runner = layer.__dict__["_fastopt_core"], layer.__dict__["_fastopt_core_runner"]
-    if capturing():  # inside an enclosing graph's capture: no event, no read (not checked)
-        core.ranges.prepare(src)
-        return runner(core, core.forward, args, {}, pads=pads, out_rows=rows)
-    core.ranges.settle()
+    checked = not capturing()  # inside an enclosing graph's capture: no event, no read
+    if checked:
+        core.ranges.settle()
     core.ranges.prepare(src)
     # the runner writes the rows and the padding into the graph's inputs and trims the output
     out = runner(core, core.forward, args, {}, pads=pads, out_rows=rows)
-    core.ranges.submit(rows)
+    if checked:
+        core.ranges.submit(rows)
     return out
 
 
