@@ -20,7 +20,9 @@ says how long the device sat idle in the profiled epoch (no kernel running on an
 where the longest gaps fell, between which kernels: an epoch longer than its device time is
 waiting on the host or the loader there. Then the host time each thread spent in CUDA runtime and
 driver calls, the costliest calls per thread: the same calls taking longer on one path than on
-another are waiting (on another thread's calls into the driver, or the GIL).
+another are waiting (on another thread's calls into the driver, or the GIL). Under the profiler
+``cudaGraphLaunch`` costs far more than it does without one (H200, TGN's step graphs: 325 us per
+launch profiled, 15-65 us measured by ``bench/graph_launch.py``): read it as the profiler's cost.
 
 A diagnostic, not a comparison: it times nothing against eager and records no result. It still
 checks what it runs: an epoch whose mean loss is not finite, or an optimized model whose outputs
@@ -52,12 +54,17 @@ _CUDA_API = re.compile(r"cu(da)?[A-Z]")
 _TRAINING = "epoch_profile::training_thread"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The run a diagnostic trains: model, dataset, batch size, edge feature width."""
     p.add_argument("--model", default="tgn")
     p.add_argument("--dataset", default="wikipedia")
     p.add_argument("--batch-size", type=int, default=600)
     p.add_argument("--edge-dim", type=int, default=172)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(p)
     p.add_argument("--no-optimize", action="store_true")
     p.add_argument("--rows", type=int, default=30)
     p.add_argument("--trace", default=None, help="write a Chrome trace here")
