@@ -22,7 +22,7 @@ waiting on the host or the loader there. Then the host time each thread spent in
 driver calls, the costliest calls per thread: the same calls taking longer on one path than on
 another are waiting (on another thread's calls into the driver, or the GIL). Under the profiler
 ``cudaGraphLaunch`` costs far more than it does without one (H200, TGN's step graphs: 325 us per
-launch profiled, 15-65 us measured by ``bench/graph_launch.py``): read it as the profiler's cost.
+launch profiled, 15-33 us measured by ``bench/graph_launch.py``): read it as the profiler's cost.
 
 A diagnostic, not a comparison: it times nothing against eager and records no result. It still
 checks what it runs: an epoch whose mean loss is not finite, or an optimized model whose outputs

@@ -237,9 +237,9 @@ def per_head_product(x: Tensor, w: Tensor) -> Tensor:
 
     A product batched over a few heads (``einsum("rha,hab->rhb")``) has weight gradients of a
     few small outputs each reducing over all R rows, for which the batched kernels run a handful
-    of thread blocks (H200, TGAT's factored time encoding, R = 14,336: 196 us each, a fifth of the
-    step). One product of the stacked heads has an output H*H times larger to spread, at H times
-    the multiply-adds of products this small; the off-diagonal blocks add exact zeros.
+    of thread blocks. One product of the stacked heads has an output H*H times larger to spread,
+    at H times the multiply-adds of products this small; the off-diagonal blocks add exact zeros.
+    (H200, TGAT with the factored time encoding: 0.825 -> 0.645 s an epoch.)
     """
     rows, heads = x.shape[0], w.shape[0]
     blocks = torch.block_diag(*w.unbind(0))
