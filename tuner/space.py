@@ -4,7 +4,10 @@ Only knobs that can change the speed of *this* run are searched: sampler threads
 reordering and thread placement only when the model samples neighbors (placement where networkx
 can pair threads and more than one runs), ``sampler.hop_dedup`` only for models of two or more
 layers, cache placement, budget, reads (zero-copy or staged) and the staged policy only where
-features can live on the host apart from a CUDA device, CUDA graphs only on CUDA. The batch size
+features can live on the host apart from a CUDA device, CUDA graphs only on CUDA, factoring the
+time encoding out of the keys and values only where the kernels run and the pass finds one to
+factor (:func:`time_encoding_factorable`: the FLOPs it saves against the shared-block kernel
+depend on the neighbors per row, the heads and the widths). The batch size
 changes what the model learns, so it is searched only over sizes the user allows; by default the
 user's own size is kept.
 
@@ -35,7 +38,8 @@ from fastopt.errors import ConfigError
 from fastopt.runtime.epoch import stage_workers
 from fastopt.runtime.topology import usable_cpus
 
-__all__ = ["FusedOp", "Knob", "SearchSpace", "SpaceContext", "build_space", "fused_ops", "op_choices"]
+__all__ = ["FusedOp", "Knob", "SearchSpace", "SpaceContext", "build_space", "fused_ops", "op_choices",
+           "time_encoding_factorable"]
 
 # the config field a trial's per-op mapping values are joined into
 OP_OVERRIDES = "kernels.op_overrides"
@@ -100,6 +104,7 @@ class SpaceContext:
     batch_sizes: Tuple[int, ...]  # batch sizes the user allows
     ops: Tuple[FusedOp, ...] = ()  # fused ops the generated kernels run (found where they run)
     pairing: bool = False  # networkx is installed: sampler threads can be paired on shared caches
+    factorable: bool = False  # an attention's keys/values carry a time encoding that can be factored out
 
 
 @dataclass(frozen=True)
@@ -169,6 +174,9 @@ _CANDIDATES: Tuple[_Candidate, ...] = (
     _Candidate("pipeline.step_graphs", lambda ctx: ctx.cuda,
                lambda ctx: ("auto", "off") if ctx.optimized else ("auto", "on"),
                why="whole training steps replayed from CUDA graphs"),
+    _Candidate("passes.factor_time_encoding", lambda ctx: ctx.kernels and ctx.factorable, _fixed("off", "auto"),
+               why="the time encoding's key/value columns multiplied into the queries (no per-slot "
+                   "projection) against the attention kernel's shared block"),
     _Candidate("kernels.attention_softmax",
                lambda ctx: any(o.op == "temporal_attention" for o in ctx.ops),
                _fixed("auto", "online", "two_pass"), why="running-maximum or two-pass edge softmax"),
@@ -403,7 +411,8 @@ def space_context(model, graph, config: Config, device, batch_sizes=None) -> Spa
                         kernels=kernels, tables=has_edge or has_node,
                         cached=has_edge and config.sampler.dedup, cores=_cores(), batch_sizes=sizes,
                         ops=fused_ops(model, graph, config) if kernels else (),
-                        pairing=importlib.util.find_spec("networkx") is not None)
+                        pairing=importlib.util.find_spec("networkx") is not None,
+                        factorable=kernels and time_encoding_factorable(model, config))
 
 
 # what the probe of fused_ops changes in the run's config: the CPU, the optimized model through
@@ -443,6 +452,19 @@ def fused_ops(model, graph, config: Config) -> Tuple[FusedOp, ...]:
             op = "temporal_attention" if rewrite.op == "shared_attention" else rewrite.op
             found.setdefault((op, op_problem(rewrite.op, sizes)), []).append(rewrite.where)
     return tuple(FusedOp(op, problem, tuple(where)) for (op, problem), where in found.items())
+
+
+def time_encoding_factorable(model, config: Config) -> bool:
+    """Whether ``passes.factor_time_encoding`` finds a time encoding to factor out of an
+    attention's keys and values in ``model`` (a copy of it is optimized on the CPU with the pass
+    on; ``model`` is left as it was)."""
+    from fastopt.optimize import optimize
+
+    probe = config.copy()
+    probe.set("train.device", "cpu")
+    probe.set("passes.factor_time_encoding", "always")
+    optimized = optimize(copy.deepcopy(model).cpu(), config=probe)
+    return optimized.fastopt_report.count("shared_attention") > 0
 
 
 def _cores() -> int:

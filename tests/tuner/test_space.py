@@ -254,6 +254,25 @@ def test_cuda_space_searches_the_mapping_per_fused_op(small_graph, name, two_cor
 
 
 @needs_triton
+@pytest.mark.parametrize("name,factorable", [("tgat", True), ("apan", True), ("tgn", False), ("jodie", False)])
+def test_time_encoding_factoring_is_searched_where_the_pass_finds_one(small_graph, name, factorable, two_cores):
+    """TGAT's and APAN's keys/values carry a time encoding (factorable); TGN's attention goes
+    through nn.MultiheadAttention and JODIE has none. Where the kernels run only: on the CPU the
+    references would run either way. Finding out leaves the model as it was."""
+    model = build_model(name, small_graph, **SMALL[name])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert space_module.time_encoding_factorable(model, Config()) == factorable
+    assert all(v.equal(before[k]) for k, v in model.state_dict().items()) and not hasattr(model, "fastopt_report")
+    space = build_space(model, small_graph, Config(), "cuda")
+    knobs = {k.name: k.choices for k in space.knobs}
+    assert ("passes.factor_time_encoding" in knobs) == factorable
+    if factorable:
+        assert knobs["passes.factor_time_encoding"] == ("off", "auto")  # the default first
+        assert space.apply(Config(), {"passes.factor_time_encoding": "auto"}).passes.factor_time_encoding == "auto"
+    assert "passes.factor_time_encoding" not in space_for(name, small_graph).names  # CPU
+
+
+@needs_triton
 def test_per_op_values_become_one_op_overrides_value(small_graph, two_cores):
     config = Config()
     config.set("kernels.op_overrides", "temporal_attention@10x2x8:num_warps=4; masked_aggregate@3x1x8:block_k=2")
