@@ -412,7 +412,7 @@ def space_context(model, graph, config: Config, device, batch_sizes=None) -> Spa
                         cached=has_edge and config.sampler.dedup, cores=_cores(), batch_sizes=sizes,
                         ops=fused_ops(model, graph, config) if kernels else (),
                         pairing=importlib.util.find_spec("networkx") is not None,
-                        factorable=kernels and time_encoding_factorable(model, config))
+                        factorable=kernels and time_encoding_factorable(model, graph, config))
 
 
 # what the probe of fused_ops changes in the run's config: the CPU, the optimized model through
@@ -454,17 +454,19 @@ def fused_ops(model, graph, config: Config) -> Tuple[FusedOp, ...]:
     return tuple(FusedOp(op, problem, tuple(where)) for (op, problem), where in found.items())
 
 
-def time_encoding_factorable(model, config: Config) -> bool:
+def time_encoding_factorable(model, graph, config: Config) -> bool:
     """Whether ``passes.factor_time_encoding`` finds a time encoding to factor out of an
-    attention's keys and values in ``model`` (a copy of it is optimized on the CPU with the pass
-    on; ``model`` is left as it was)."""
-    from fastopt.optimize import optimize
+    attention's keys and values in ``model`` (a copy of it is optimized for ``graph`` on the CPU
+    with the pass on, as :func:`fused_ops` probes; ``model`` is left as it was)."""
+    from fastopt.trainer import Trainer
 
     probe = config.copy()
-    probe.set("train.device", "cpu")
+    for name, value in _PROBE.items():
+        probe.set(name, value)
     probe.set("passes.factor_time_encoding", "always")
-    optimized = optimize(copy.deepcopy(model).cpu(), config=probe)
-    return optimized.fastopt_report.count("shared_attention") > 0
+    trainer = Trainer(copy.deepcopy(model).cpu(), graph, probe, progress=False, records=False)
+    report = getattr(trainer.model, "fastopt_report", None)
+    return report is not None and report.count("shared_attention") > 0
 
 
 def _cores() -> int:

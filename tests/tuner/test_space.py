@@ -261,7 +261,7 @@ def test_time_encoding_factoring_is_searched_where_the_pass_finds_one(small_grap
     references would run either way. Finding out leaves the model as it was."""
     model = build_model(name, small_graph, **SMALL[name])
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert space_module.time_encoding_factorable(model, Config()) == factorable
+    assert space_module.time_encoding_factorable(model, small_graph, Config()) == factorable
     assert all(v.equal(before[k]) for k, v in model.state_dict().items()) and not hasattr(model, "fastopt_report")
     space = build_space(model, small_graph, Config(), "cuda")
     knobs = {k.name: k.choices for k in space.knobs}
