@@ -35,6 +35,10 @@
 # INTERLEAVE=1: the host step's benches let the contenders' epochs take turns (--interleave).
 # "hostprof": bench/epoch_profile.py --model tgn under each placement, device and host
 # (profile-{device,host}.log: device idle gaps, CUDA API host time per thread; each under HOSTPROF_S seconds). TUNE_DB resumes the tune step's studies.
+# "factor": TGAT's epoch with passes.factor_time_encoding off and auto, profiled (bench/epoch_profile.py;
+# profile-tgat-factor-{off,auto}.log, each under FACTOR_S seconds, 150: the check against eager and the
+# profiled epoch take over 80 s), then bench/graph_launch.py for each model (graph-launch-*.{log,json}).
+# A call returns at most 8 files from OUT: give steps that write many their own call.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the output folder}
@@ -111,6 +115,16 @@ if [[ " $STEPS " == *" hostprof "* ]]; then
             --rows 12 > "$OUT/profile-$p.log" 2>&1
         echo "== $p"; grep -E "^(warm-up|profiled)" "$OUT/profile-$p.log"; grep -A12 "^device idle" "$OUT/profile-$p.log"
         grep -A15 "^CUDA API" "$OUT/profile-$p.log"
+    done
+fi
+if [[ " $STEPS " == *" factor "* ]]; then
+    for f in off auto; do
+        FASTOPT_PASSES_FACTOR_TIME_ENCODING=$f timeout "${FACTOR_S:-150}" python3 bench/epoch_profile.py --model tgat \
+            --rows 30 > "$OUT/profile-tgat-factor-$f.log" 2>&1
+        echo "== factor $f"; grep -E "^(warm-up|profiled|WRONG)" "$OUT/profile-tgat-factor-$f.log"
+    done
+    for m in tgn tgat; do
+        timeout 70 python3 bench/graph_launch.py --model $m --json "$OUT/graph-launch-$m.json" > "$OUT/graph-launch-$m.log" 2>&1
     done
 fi
 [[ " $STEPS " == *" accuracy "* ]] && FASTOPT_SAMPLER_THREADS=2 timeout "${ACCURACY_S:-300}" python3 bench/accuracy.py \
