@@ -342,6 +342,22 @@ def test_time_encoding_factored_out_of_key_value_projections(backend):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [1, 2, 3])
+def test_per_head_product_is_the_batched_product(heads):
+    """The factored attention's per-head products (one block-diagonal product): the values and
+    both gradients of ``einsum("rha,hab->rhb")``, in float64."""
+    from fastopt.passes.attention_layout import per_head_product
+
+    g = torch.Generator().manual_seed(heads)
+    x = torch.randn(11, heads, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(heads, 5, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    got, want = per_head_product(x, w), torch.einsum("rha,hab->rhb", x, w)
+    torch.testing.assert_close(got, want)
+    grad = torch.randn(11, heads, 7, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, (x, w), grad), torch.autograd.grad(want, (x, w), grad)):
+        torch.testing.assert_close(a, b)
+
+
 class _EinsumValuesHeadFirst(nn.Module):
     """Keys [M, K, H, d] but the weighted sum reads the values as [M, H, K, d] (K == H), or one
     neighbor set broadcast over all rows: layouts the factored attention must not take."""
