@@ -37,7 +37,7 @@
 # (profile-{device,host}.log: device idle gaps, CUDA API host time per thread; each under HOSTPROF_S seconds). TUNE_DB resumes the tune step's studies.
 # "factor": TGAT's epoch with passes.factor_time_encoding off and auto, profiled (bench/epoch_profile.py;
 # profile-tgat-factor-{off,auto}.log, each under FACTOR_S seconds, 150: the check against eager and the
-# profiled epoch take over 80 s), then bench/graph_launch.py for each model (graph-launch-*.{log,json}).
+# profiled epoch take over 80 s). "launch": bench/graph_launch.py for each model (graph-launch-*.{log,json}).
 # A call returns at most 8 files from OUT: give steps that write many their own call.
 set -u
 export PYTHONUNBUFFERED=1
@@ -123,6 +123,8 @@ if [[ " $STEPS " == *" factor "* ]]; then
             --rows 30 > "$OUT/profile-tgat-factor-$f.log" 2>&1
         echo "== factor $f"; grep -E "^(warm-up|profiled|WRONG)" "$OUT/profile-tgat-factor-$f.log"
     done
+fi
+if [[ " $STEPS " == *" launch "* ]]; then
     for m in tgn tgat; do
         timeout 70 python3 bench/graph_launch.py --model $m --json "$OUT/graph-launch-$m.json" > "$OUT/graph-launch-$m.log" 2>&1
     done
