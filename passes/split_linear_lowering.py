@@ -45,7 +45,9 @@ def _split_groups(linear: torch.nn.Module, parts: Sequence[Tensor]
     ``nn.Linear`` call (a subclass forward, forward hooks or pre-hooks such as old-style weight
     norm, global module hooks); the parts are not all same-dtype tensors of one leading shape
     whose widths sum to the weight's; a zero-width part needs a gradient (it would get none); or
-    all parts fall in one group.
+    all parts fall in one group. The exception: no part needs a gradient and one gathered part
+    is all the input has beside zero-width ones (TGAT's first layer, its keys and values with
+    the time encoding factored out): ``([that part], [])``, projected before its gather.
     """
     if not _plain_linear(linear):
         return None
@@ -73,8 +75,10 @@ def _weight_groups(weight: Tensor, parts: Sequence[Part]
                 return None
             continue
         (grad if t.requires_grad else free).append(i)
-    if width != weight.shape[1] or not free or not grad:
+    if width != weight.shape[1] or not free:
         return None
+    if not grad and not (len(free) == 1 and _is_rows(parts[free[0]])):
+        return None  # one group: nothing to split
     return free, grad
 
 
@@ -256,16 +260,18 @@ def _product_over_parts(weight: Tensor, bias: Optional[Tensor], parts: Sequence[
         return (x if _is_rows(x) else x.reshape(-1, x.shape[-1])), w
 
     x_free, w_free = group(free)
-    x_grad, w_grad = group(grad)
+    grad_width = sum(_shape(parts[i])[-1] for i in grad)
     # addmm, or generated (config.kernels.matmul_precision)
     if _is_rows(x_free):  # gathered rows (the batch's unique edges): project each row once
         rows, index = x_free
         y = _ProjectedRows.apply(rows, index.reshape(-1), w_free, bias)
-        record(site, (rows.shape[1], x_grad.shape[1], rows.shape[0], index.numel()))
+        record(site, (rows.shape[1], grad_width, rows.shape[0], index.numel()))
     else:
         y = codegen.linear(x_free, w_free, bias, bias_grad=_bias_grad(bias))
-        record(site, (x_free.shape[1], x_grad.shape[1]))
-    y = codegen.linear(x_grad, w_grad, residual=y)
+        record(site, (x_free.shape[1], grad_width))
+    if grad:
+        x_grad, w_grad = group(grad)
+        y = codegen.linear(x_grad, w_grad, residual=y)
     return y.view(*_shape(parts[0])[:-1], weight.shape[0])
 
 

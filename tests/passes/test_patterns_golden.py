@@ -171,6 +171,31 @@ def test_project_before_gather():
            lambda: (torch.randn(5, 4), torch.randint(0, 5, (M, K))))
 
 
+
+def test_lone_gathered_part_is_projected_before_its_gather(monkeypatch):
+    """Keys and values whose input is one gathered table beside a zero-width part (TGAT's first
+    layer once its time encoding is factored out): the table's rows are projected, then gathered,
+    and values and weight gradients are the concatenation's."""
+    import fastopt.passes.split_linear_lowering as lowering
+
+    calls = []
+    projected = lowering._ProjectedRows.apply
+    monkeypatch.setattr(lowering._ProjectedRows, "apply",
+                        lambda *a: calls.append(a[0].shape) or projected(*a))
+    torch.manual_seed(0)
+    w_k, w_v = nn.Linear(5 + 3, 4), nn.Linear(5 + 3, 4)
+    table, index, empty = torch.randn(9, 5), torch.randint(0, 9, (M, K)), torch.zeros(M, K, 0)
+    keep = [w[:, :5] for w in (w_k.weight, w_v.weight)]
+    k, v = lowering.stacked_product(keep, [w_k, w_v], (empty, (table, index)), "")
+    assert calls == [(9, 5)]
+    ref = [F.linear(table[index], w[:, :5], lin.bias) for w, lin in zip(keep, (w_k, w_v))]
+    g = torch.randn(M, K, 8)
+    got_grads = torch.autograd.grad((torch.cat([k, v], -1) * g).sum(), [w_k.weight, w_k.bias, w_v.weight])
+    ref_grads = torch.autograd.grad((torch.cat(ref, -1) * g).sum(), [w_k.weight, w_k.bias, w_v.weight])
+    torch.testing.assert_close(torch.cat([k, v], -1), torch.cat(ref, -1))
+    for got, want in zip(got_grads, ref_grads):
+        torch.testing.assert_close(got, want)
+
 class KeysValuesOverParts(nn.Module):
     """TGAT's keys and values: two projections of [neighbor state, edge features, encoding]."""
 
