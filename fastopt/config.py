@@ -176,10 +176,9 @@ class PassesConfig:
     # keys and values projected from [x_j ; cos(Linear(dt_j))]: factor the time part out of the
     # projection (q W_t^T against the encoding, the encoding's weighted sum times W_t) so the
     # [M, K, H, d] product of the encoding is never computed: "off", "auto" (where the generated
-    # kernels run) or "always" (also through the references). Off by default: on the H200 at
-    # eb80552 the TGAT step's forward gained (0.62 -> 0.53 ms) but its backward lost more
-    # (1.02 -> 1.40 ms; step 1.885 -> 2.190 ms)
-    factor_time_encoding: str = "off"
+    # kernels run) or "always" (also through the references). H200, TGAT on wikipedia, batch
+    # 600 (5e97864): 0.565 s an epoch against 0.643 s off, peak device memory 1.79 against 1.44 GB
+    factor_time_encoding: str = "auto"
 
 
 @dataclass

@@ -174,7 +174,7 @@ _CANDIDATES: Tuple[_Candidate, ...] = (
     _Candidate("pipeline.step_graphs", lambda ctx: ctx.cuda,
                lambda ctx: ("auto", "off") if ctx.optimized else ("auto", "on"),
                why="whole training steps replayed from CUDA graphs"),
-    _Candidate("passes.factor_time_encoding", lambda ctx: ctx.kernels and ctx.factorable, _fixed("off", "auto"),
+    _Candidate("passes.factor_time_encoding", lambda ctx: ctx.kernels and ctx.factorable, _fixed("auto", "off"),
                why="the time encoding's key/value columns multiplied into the queries (no per-slot "
                    "projection) against the attention kernel's shared block"),
     _Candidate("kernels.attention_softmax",
