@@ -83,9 +83,16 @@ if [[ " $STEPS " == *" tune "* ]]; then
     [ -n "${TUNE_DB:-}" ] && cp "$TUNE_DB" "$OUT/tune.db"
     for d in ${TUNE_DATASETS:-wikipedia}; do
         for m in ${TUNE_MODELS:-tgn tgat}; do
+            # a trial can run past tuner.trial_seconds (60 s) by its last phase: the study's own
+            # --timeout ends 90 s before this step's; a study cut by the step's timeout is exported
+            # from its storage all the same (fastopt export reads unfinished studies)
+            study="$m-$(basename "$d" | cut -d. -f1)"
             timeout "${TUNE_S:-900}" fastopt tune --dataset "$d" --model $m --batch-size 600 --edge-dim 172 \
-                --trials "${TRIALS:-40}" --timeout "$(( ${TUNE_S:-900} - 60 ))" --storage "sqlite:///$OUT/tune.db" \
-                --out "$OUT/records" ${MAX_MEMORY_GB:+--max-device-memory "$MAX_MEMORY_GB"} --no-progress >> "$OUT/tune.log" 2>&1
+                --trials "${TRIALS:-40}" --timeout "$(( ${TUNE_S:-900} - 90 ))" --storage "sqlite:///$OUT/tune.db" \
+                --study-name "$study" --out "$OUT/records" ${MAX_MEMORY_GB:+--max-device-memory "$MAX_MEMORY_GB"} \
+                --no-progress >> "$OUT/tune.log" 2>&1
+            timeout 60 fastopt export --storage "sqlite:///$OUT/tune.db" --study-name "$study" --out "$OUT/records" \
+                >> "$OUT/tune.log" 2>&1
             FASTOPT_TUNER_RECORDS_DIR="$OUT/records" timeout "${BENCH_S:-130}" fastopt bench --dataset "$d" --model $m \
                 --batch-size 600 --edge-dim 172 --epochs "${BENCH_EPOCHS:-4}" --contenders fastopt,fastopt-tuned --no-progress \
                 --json "$OUT/tuned-$m-$(basename "$d" | cut -d. -f1).json" >> "$OUT/tune.log" 2>&1
