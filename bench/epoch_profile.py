@@ -169,7 +169,7 @@ def profile_pipeline(trainer: Trainer, epochs: int) -> int:
 
     for name in ("sample", "stage", "finish"):  # the loader's own calls go through these too
         setattr(loader, name, timed(name, getattr(loader, name)))
-    graphs = trainer._step_graphs  # None: no whole-step capture on this device
+    graphs = trainer.step_graphs  # None: no whole-step capture on this device
     for epoch in range(epochs):
         spent.clear()
         captured = graphs.captures if graphs is not None else 0

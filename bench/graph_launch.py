@@ -91,8 +91,8 @@ def main(argv=None) -> int:
     wrong = eager_disagreement(trainer, args.model, graph)
     if wrong:
         return report_wrong(wrong)
-    steps = trainer._step_graphs  # noqa: SLF001 (a diagnostic of the trainer's captured steps)
-    captured = [e.graph for e in steps._entries.values() if e.graph is not None] if steps else []  # noqa: SLF001
+    steps = trainer.step_graphs
+    captured = steps.graphs() if steps else []
     if not captured:
         print(f"no whole-step graph was captured ({getattr(steps, 'disabled', None) or 'step graphs off'})")
         return 1

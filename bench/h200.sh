@@ -38,6 +38,7 @@
 # "factor": TGAT's epoch with passes.factor_time_encoding off and auto, profiled (bench/epoch_profile.py;
 # profile-tgat-factor-{off,auto}.log, each under FACTOR_S seconds, 150: the check against eager and the
 # profiled epoch take over 80 s). "launch": bench/graph_launch.py for each model (graph-launch-*.{log,json}).
+# "window": bench/tune_window.py per WINDOW_MODELS (see the step).
 # A call returns at most 8 files from OUT: give steps that write many their own call.
 set -u
 export PYTHONUNBUFFERED=1
@@ -134,6 +135,18 @@ fi
 if [[ " $STEPS " == *" launch "* ]]; then
     for m in tgn tgat; do
         timeout 70 python3 bench/graph_launch.py --model $m --json "$OUT/graph-launch-$m.json" > "$OUT/graph-launch-$m.log" 2>&1
+    done
+fi
+if [[ " $STEPS " == *" window "* ]]; then
+    # the tuner's trial window against the trained epochs, per model (bench/tune_window.py;
+    # window-M.{log,json}); WINDOW_NOPLAN=1 also without the shape plan (window-M-noplan.log,
+    # with WINDOW_PROFILE cProfile rows of its first window)
+    for m in ${WINDOW_MODELS:-tgat tgn}; do
+        timeout "${WINDOW_S:-120}" python3 bench/tune_window.py --model $m --json "$OUT/window-$m.json" \
+            > "$OUT/window-$m.log" 2>&1
+        [ -n "${WINDOW_NOPLAN:-}" ] && timeout "${WINDOW_S:-120}" python3 bench/tune_window.py --model $m --no-plan \
+            --profile "${WINDOW_PROFILE:-0}" > "$OUT/window-$m-noplan.log" 2>&1
+        grep -hE "^(window|epoch|WRONG|tgn|tgat)" "$OUT/window-$m.log" "$OUT/window-$m-noplan.log" 2>/dev/null
     done
 fi
 [[ " $STEPS " == *" accuracy "* ]] && FASTOPT_SAMPLER_THREADS=2 timeout "${ACCURACY_S:-300}" python3 bench/accuracy.py \

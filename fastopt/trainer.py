@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from fastopt.config import Config, resolve_config
 from fastopt.data import TemporalGraph
 from fastopt.errors import ConfigError, FastOptError, device_memory_guard
 from fastopt.metrics import average_precision, mrr, roc_auc
+from fastopt.progress import progress_bar
 from fastopt.runtime.flatten import flatten, unflatten
 from fastopt.runtime.inputs import GraphInputs
 from fastopt.runtime.loader import EventBatch, Loader, NegativeSampler, StageTimer
@@ -221,32 +221,48 @@ class Trainer:
         self.test_seconds = 0.0
         self._best_state: Optional[dict] = None  # weights and state of the best epoch (restore_best)
 
-    def _high_waters(self) -> dict:
-        """The padded lengths that shape a captured step: the loader's and the sampler's."""
-        found = {"loader": self.loader.high_water, "sampler": getattr(self.sampler, "high_water", None)}
-        return {name: hw for name, hw in found.items() if hw is not None}
+    @property
+    def step_graphs(self):
+        """The captured whole training steps (:class:`~fastopt.runtime.step_graph.StepGraphs`:
+        ``captures``, ``replays``, ``disabled``), None where steps run eagerly."""
+        return self._step_graphs
 
     def _load_shape_plan(self, graph: TemporalGraph):
-        """Seed the padded lengths from an earlier run's (runtime/shape_plans.py); ``(folder, key)``."""
+        """Seed the padded lengths that shape a captured step (the loader's and the sampler's) from
+        an earlier run's (:class:`~fastopt.runtime.shape_plans.ShapePlan`)."""
         from fastopt.codegen.cache import default_cache_dir
-        from fastopt.runtime.shape_plans import load_lengths, plan_key
+        from fastopt.runtime.shape_plans import ShapePlan, plan_key
 
         s, sampler = self.config.sampler, self.sampler
         key = plan_key(graph.src, graph.dst, graph.ts, fanouts=list(getattr(self.model, "fanouts", [])),
                        strategy=getattr(self.model, "strategy", "recent"), undirected=s.undirected,
                        dedup=s.dedup, hop_dedup=bool(getattr(sampler, "hop_dedup", False)),
                        batch_size=self.config.train.batch_size)
-        plan = (default_cache_dir() / "plans", key)
-        saved = load_lengths(*plan)
-        for name, high_water in self._high_waters().items():
-            high_water.seed(saved.get(name, {}))
-        return plan
+        found = {"loader": self.loader.high_water, "sampler": getattr(sampler, "high_water", None)}
+        return ShapePlan(default_cache_dir() / "plans", key, {n: hw for n, hw in found.items() if hw is not None})
 
     def _save_shape_plan(self) -> None:
         if self._shape_plan is not None:
-            from fastopt.runtime.shape_plans import save_lengths
+            self._shape_plan.save()
 
-            save_lengths(*self._shape_plan, {name: dict(hw.lengths) for name, hw in self._high_waters().items()})
+    def plan_shapes(self, split: str = "train", epoch: int = 0) -> bool:
+        """Raise the padded lengths to those a whole pass over ``split`` reaches, by sampling its
+        batches without training (no features read, no step), and save them: the steps that
+        follow pad to their final lengths from the first batch, as a steady epoch's do, and
+        capture one step per batch size rather than one each time a length grows. Returns
+        whether it sampled: not without shape plans (the CPU, ``pipeline.shape_plans`` off) nor
+        where an earlier run's lengths were found."""
+        plan = self._shape_plan
+        if plan is None or plan.found:
+            return False
+        if self.sampler is not None:
+            self.sampler.reset(epoch)
+        for batch in self.loader.plan(split, epoch):
+            self.loader.sample(batch)
+            self.loader.reserve(batch)
+        plan.save()
+        plan.found = True
+        return True
 
     # ----------------------------------------------------------------------------- inputs
     def build_inputs(self, roots: np.ndarray, times: np.ndarray) -> GraphInputs:
@@ -557,42 +573,3 @@ def format_epoch(record: dict) -> str:
     return (f"epoch {record['epoch']:>3}  loss={record['loss']:.4f}  {record['seconds']:.1f}s "
             f"({record['events_per_s']:,.0f} ev/s{'; ' + stages if stages else ''})  val ap={val['ap']:.4f} "
             f"auc={val['auc']:.4f} ({record.get('val_seconds', 0.0):.1f}s)")
-
-
-def progress_bar(iterable, desc: str, enabled: Union[bool, str], total: Optional[int] = None,
-                 leave: bool = False):
-    """A tqdm bar over ``iterable`` (None: advanced by ``update()``) where one can be drawn: with
-    ``enabled is True`` on a terminal or in a notebook. Elsewhere an object with the same methods
-    that draws nothing and whose ``disable`` is True, so that the caller prints its lines instead
-    (a log file or pipe gets lines, not bar redraws)."""
-    if enabled is not True or not (_isatty(sys.stderr) or _in_notebook()):
-        return _Quiet(iterable)
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, desc=desc, total=total, leave=leave, dynamic_ncols=True)
-
-
-def _isatty(stream) -> bool:
-    return bool(getattr(stream, "isatty", None) and stream.isatty())
-
-
-def _in_notebook() -> bool:
-    """Whether this runs in a Jupyter kernel (whose output streams are no terminals)."""
-    ipython = sys.modules.get("IPython")
-    shell = getattr(ipython, "get_ipython", lambda: None)()
-    return type(shell).__name__ == "ZMQInteractiveShell"
-
-
-class _Quiet:
-    disable = True
-
-    def __init__(self, iterable) -> None:
-        self._it = iterable
-
-    def __iter__(self):
-        return iter(self._it)
-
-    def _nothing(self, *args, **kwargs) -> None:
-        pass
-
-    set_postfix = set_postfix_str = update = close = _nothing

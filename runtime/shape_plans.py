@@ -23,7 +23,7 @@ from typing import Dict, Iterable, Optional
 
 import numpy as np
 
-__all__ = ["plan_key", "load_lengths", "save_lengths"]
+__all__ = ["ShapePlan", "plan_key", "load_lengths", "save_lengths"]
 
 _VERSION = 1
 _SAMPLES = 4096  # events read into the key (evenly spread): a content digest that costs no pass over the data
@@ -79,3 +79,25 @@ def save_lengths(directory: Path, key: str, lengths: Dict[str, Dict[str, int]]) 
         return path
     except OSError:
         return None
+
+
+class ShapePlan:
+    """The padded lengths of one run under ``key`` in ``directory``: ``high_waters`` (``{owner:
+    HighWater}``) are seeded from the saved lengths at once, and :meth:`save` merges theirs back.
+
+    Attributes:
+        found: whether an earlier run's lengths were read (the steps pad to their final lengths
+            from the first batch).
+    """
+
+    def __init__(self, directory: Path, key: str, high_waters: Dict[str, object]) -> None:
+        self.directory, self.key, self.high_waters = Path(directory), key, high_waters
+        saved = load_lengths(self.directory, key)
+        self.found = any(saved.values())
+        for owner, high_water in high_waters.items():
+            high_water.seed(saved.get(owner, {}))
+
+    def save(self) -> Optional[Path]:
+        """Write the lengths reached so far (:func:`save_lengths`)."""
+        return save_lengths(self.directory, self.key,
+                            {owner: dict(hw.lengths) for owner, hw in self.high_waters.items()})

@@ -73,6 +73,15 @@ class StepGraphs:
         self._entries: "OrderedDict[Hashable, _Entry]" = OrderedDict()
         self._pool = None
 
+    @property
+    def signatures(self) -> int:
+        """Input signatures kept (captured or still running eagerly)."""
+        return len(self._entries)
+
+    def graphs(self) -> List[torch.cuda.CUDAGraph]:
+        """The captured graphs, least recently used first."""
+        return [e.graph for e in self._entries.values() if e.graph is not None]
+
     def __call__(self, tensors: Sequence[Tensor], constant: Hashable = None):
         tensors = list(tensors)
         if self.disabled is not None or not all(t.is_cuda for t in tensors):

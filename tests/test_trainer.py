@@ -194,11 +194,11 @@ def test_progress_bars_in_a_notebook(monkeypatch):
     import sys
     import types
 
-    from fastopt import trainer
+    from fastopt import progress
 
-    assert isinstance(trainer.progress_bar(range(3), "x", True), trainer._Quiet)  # pytest: no terminal
+    assert isinstance(progress.progress_bar(range(3), "x", True), progress._Quiet)  # pytest: no terminal
     shell = type("ZMQInteractiveShell", (), {})()
     monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
-    bar = trainer.progress_bar(range(3), "x", True)
-    assert not isinstance(bar, trainer._Quiet) and list(bar) == [0, 1, 2]
-    assert isinstance(trainer.progress_bar(range(3), "x", "lines"), trainer._Quiet)
+    bar = progress.progress_bar(range(3), "x", True)
+    assert not isinstance(bar, progress._Quiet) and list(bar) == [0, 1, 2]
+    assert isinstance(progress.progress_bar(range(3), "x", "lines"), progress._Quiet)

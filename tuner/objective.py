@@ -3,7 +3,10 @@
 A trial builds a :class:`~fastopt.trainer.Trainer` with its config and runs the first batches of
 an epoch through :meth:`~fastopt.trainer.Trainer.train_steps`: the warm-up steps (kernel
 compiles, CUDA-graph captures, the loader filling up) are left out, and the median of the timed
-steps is the trial's step time. A step is timed from the end of one step to the end of the next,
+steps is the trial's step time. Before them the trainer plans its padded lengths
+(:meth:`~fastopt.trainer.Trainer.plan_shapes`: one sampling pass, no training), so that the
+window's steps run at a steady epoch's shapes; else the first epoch's lengths grow as the history
+fills and the window times a capture every few steps. A step is timed from the end of one step to the end of the next,
 so a step that waits for the loader counts the wait: the pipeline knobs matter. On CUDA the marks
 are CUDA events recorded on the stream (one synchronize at the end of the window, none per
 step); on the CPU, wall time. The value minimized is that median times the training batches of an
@@ -95,7 +98,7 @@ class Measurement:
         warmup: untimed steps before them.
         peak_device_bytes: the device's peak allocated memory in the window (None on the CPU).
         warmup_seconds: wall seconds from the call until the warm-up's last step was issued
-            (kernel compiles and graph captures happen there).
+            (the shape plan's sampling pass, kernel compiles and graph captures happen there).
     """
 
     step_seconds: float
@@ -158,6 +161,9 @@ def measure_window(trainer, window: Window,
                           f"{window.warmup} warm-up steps; lower tuner.warmup_steps or the batch size")
     device = trainer.device
     start, warm = time.perf_counter(), None
+    plan = getattr(trainer, "plan_shapes", None)
+    if plan is not None:  # pad to a steady epoch's lengths: one capture per batch size, not one per growth
+        plan()
     marks, half, skip = _Marks(device), (timed // 2 if checkpoint else 0), None
     if marks.cuda:
         torch.cuda.reset_peak_memory_stats(device)

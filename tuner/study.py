@@ -94,7 +94,7 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
         make_trainer: builds a trainer for a config (default :func:`default_trainer`).
         progress: a progress bar of the trials with the best so far, in place of the per-trial
             lines, where one can be drawn (a terminal or a notebook: the trainer's
-            :func:`~fastopt.trainer.progress_bar`); a log file or pipe keeps the lines.
+            :func:`~fastopt.progress.progress_bar`); a log file or pipe keeps the lines.
 
     Raises:
         StudyError: the storage cannot be opened, or the study of that name tunes another model,
@@ -102,7 +102,8 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
     """
     started = time.monotonic()  # --timeout counts from here: building the space is part of it
     from fastopt.models import build_model
-    from fastopt.trainer import progress_bar, resolve_device, tuning_fingerprint
+    from fastopt.progress import progress_bar
+    from fastopt.trainer import resolve_device, tuning_fingerprint
 
     device = resolve_device(config.train.device)
     torch.manual_seed(config.train.seed)
@@ -248,7 +249,7 @@ def phases_line(phases: Optional[Dict[str, float]]) -> str:
 
 def _progress(total: int, say: Callable[[str], None], bar):
     """A study callback reporting each finished trial with the best so far: a line to ``say``, or,
-    where ``bar`` draws (:func:`~fastopt.trainer.progress_bar`), a step of the bar whose postfix
+    where ``bar`` draws (:func:`~fastopt.progress.progress_bar`), a step of the bar whose postfix
     holds the best so far and the last trial's outcome."""
     def report(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         head = f"trial {trial.number + 1}/{total}"

@@ -59,4 +59,16 @@ def test_the_cpu_trainer_keeps_no_plan(small_graph):
     cfg = Config()
     cfg.train.device, cfg.train.mrr_negatives = "cpu", 0
     t = Trainer(build_model("tgat", small_graph, dim=8, time_dim=4, fanouts=(3, 2)), small_graph, cfg, progress=False)
-    assert t._shape_plan is None  # nothing is padded on the CPU
+    assert t._shape_plan is None and not t.plan_shapes()  # nothing is padded on the CPU
+
+
+def test_a_shape_plan_seeds_its_high_waters_and_saves_them(tmp_path):
+    from fastopt.runtime.shape_plans import ShapePlan
+
+    fresh = ShapePlan(tmp_path, "k", {"loader": HighWater()})
+    assert not fresh.found
+    fresh.high_waters["loader"]("nodes/1800", 3000)
+    fresh.save()
+    seeded = ShapePlan(tmp_path, "k", {"loader": HighWater(), "sampler": HighWater()})
+    assert seeded.found and seeded.high_waters["loader"]("nodes/1800", 5) == bucket(3000)
+    assert seeded.high_waters["sampler"].lengths == {}

@@ -198,13 +198,38 @@ def test_a_second_run_starts_from_the_first_runs_lengths(small_graph):
     kwargs = dict(dim=16, time_dim=8, fanouts=(4, 3), dropout=0.0)
     first = Trainer(build_model("tgat", small_graph, **kwargs), small_graph, cfg, progress=False)
     first.train_epoch(0)
-    folder, key = first._shape_plan
-    assert (folder / f"{key}.json").exists()
+    plan = first._shape_plan
+    assert (plan.directory / f"{plan.key}.json").exists()
     second = Trainer(build_model("tgat", small_graph, **kwargs), small_graph, cfg, progress=False)
-    assert second._shape_plan == first._shape_plan
+    assert second._shape_plan.key == plan.key and second._shape_plan.found
     assert second.loader.high_water.lengths == first.loader.high_water.lengths
     assert second.sampler.high_water.lengths == first.sampler.high_water.lengths
+    assert not second.plan_shapes()  # nothing left to plan
     second.train_epoch(0)
-    shapes = len(second._step_graphs._entries)
-    assert shapes <= 2 and second._step_graphs.captures >= 1
-    assert len(first._step_graphs._entries) >= shapes
+    shapes = second.step_graphs.signatures
+    assert shapes <= 2 and second.step_graphs.captures >= 1
+    assert first.step_graphs.signatures >= shapes
+
+
+def test_planned_lengths_are_a_whole_epochs_and_its_steps_capture_once(small_graph, tmp_path, monkeypatch):
+    """plan_shapes samples an epoch without training: the lengths it reaches are those a trained
+    epoch ends with, and the steps after it run at most two shapes (the tuner's window times
+    steady steps, not captures)."""
+    import fastopt.codegen.cache as cache
+
+    cfg = Config()
+    cfg.train.device, cfg.train.batch_size, cfg.train.mrr_negatives = "cuda", 150, 0
+    cfg.train.optimize, cfg.pipeline.step_graphs = "on", "on"
+    kwargs = dict(dim=16, time_dim=8, fanouts=(4, 3), dropout=0.0)
+    monkeypatch.setattr(cache, "default_cache_dir", lambda: tmp_path / "trained")
+    trained = Trainer(build_model("tgat", small_graph, **kwargs), small_graph, cfg, progress=False)
+    trained.train_epoch(0)  # its lengths grow batch by batch
+    monkeypatch.setattr(cache, "default_cache_dir", lambda: tmp_path / "planned")
+    planned = Trainer(build_model("tgat", small_graph, **kwargs), small_graph, cfg, progress=False)
+    assert not planned._shape_plan.found and planned.plan_shapes() and not planned.plan_shapes()
+    assert planned.loader.high_water.lengths == trained.loader.high_water.lengths
+    assert planned.sampler.high_water.lengths == trained.sampler.high_water.lengths
+    assert (tmp_path / "planned" / "plans" / f"{planned._shape_plan.key}.json").exists()
+    planned.train_epoch(0)
+    assert planned.step_graphs.signatures <= 2 and trained.step_graphs.captures >= planned.step_graphs.captures
+    assert planned.step_graphs.captures <= 2 and planned.step_graphs.disabled is None

@@ -205,7 +205,7 @@ def test_storage_urls():
 
 def test_progress_bar_on_a_terminal_lines_elsewhere(small_graph, config, tmp_path, one_thread, monkeypatch,
                                                     capsys):
-    import fastopt.trainer
+    import fastopt.progress
 
     lines = []
     tune(small_graph, "tgn", config, trials=2, storage=str(tmp_path / "p.db"), study_name="lines",
@@ -213,7 +213,7 @@ def test_progress_bar_on_a_terminal_lines_elsewhere(small_graph, config, tmp_pat
     assert sum(line.startswith("trial ") for line in lines) == 2
     assert "fastopt tune" not in capsys.readouterr().err
 
-    monkeypatch.setattr(fastopt.trainer, "_isatty", lambda stream: True)
+    monkeypatch.setattr(fastopt.progress, "_isatty", lambda stream: True)
     lines.clear()
     tune(small_graph, "tgn", config, trials=2, storage=str(tmp_path / "p.db"), study_name="bar",
          window=WINDOW, say=lines.append, progress=True)
