@@ -32,7 +32,7 @@
 # BENCH_EPOCHS (4: the steady figure is the median of three, which one slow epoch cannot move).
 # "host" also runs TGN's fastopt and fastopt-host under each of HOST_VARIANTS (env settings, e.g.
 # "FASTOPT_PIPELINE_GIL_SWITCH_US=250 FASTOPT_PIPELINE_GIL_SWITCH_US=1000"); SKIP_SLIMCACHE=1 skips its slimcache run.
-# INTERLEAVE=1: the host step's benches let the contenders' epochs take turns (--interleave).
+# HOST_MODELS: the host step's models (tgn tgat). INTERLEAVE=1: the host step's benches let the contenders' epochs take turns (--interleave).
 # "hostprof": bench/epoch_profile.py --model tgn under each placement, device and host
 # (profile-{device,host}.log: device idle gaps, CUDA API host time per thread; each under HOSTPROF_S seconds). TUNE_DB resumes the tune step's studies.
 # "factor": TGAT's epoch with passes.factor_time_encoding off and auto, profiled (bench/epoch_profile.py;
@@ -168,7 +168,7 @@ fi
 if [[ " $STEPS " == *" host "* ]]; then
     # features in host memory through SlimCache (a budget of cache.budget_fraction, 0.1 by default)
     # beside the device tables and TGL's path, per model; then the cache alone, per read path
-    for m in tgn tgat; do
+    for m in ${HOST_MODELS:-tgn tgat}; do
         timeout "${HOST_S:-100}" fastopt bench --model $m --batch-size 600 --epochs "${BENCH_EPOCHS:-4}" \
             --contenders tgl,fastopt,fastopt-host ${INTERLEAVE:+--interleave} --no-progress --json "$OUT/host-$m.json" >> "$OUT/host.log" 2>&1
     done
