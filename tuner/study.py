@@ -102,8 +102,7 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
     """
     started = time.monotonic()  # --timeout counts from here: building the space is part of it
     from fastopt.models import build_model
-    from fastopt.progress import progress_bar
-    from fastopt.trainer import resolve_device, tuning_fingerprint
+    from fastopt.trainer import progress_bar, resolve_device, tuning_fingerprint
 
     device = resolve_device(config.train.device)
     torch.manual_seed(config.train.seed)
