@@ -8,6 +8,7 @@ import pytest
 
 from fastopt.cli import main
 from fastopt.tuner import TuningRecord
+from fastopt.tuner.records import SHIPPED_RECORDS
 
 MODEL = ["--model", "tgn", "--memory-dim", "8", "--dim", "8", "--time-dim", "8", "--device", "cpu"]
 
@@ -90,7 +91,8 @@ def test_configs_list_and_show(tmp_path, small_graph, capsys):
     path = _saved_record(tmp_path, small_graph)
     assert main(["configs", "list", "--records", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert f"{tmp_path} (tuner.records_dir): 1 record(s)" in out and "(shipped with fastopt): 0 record(s)" in out
+    shipped = len(list(SHIPPED_RECORDS.glob("*.json")))
+    assert f"{tmp_path} (tuner.records_dir): 1 record(s)" in out and f"(shipped with fastopt): {shipped} record(s)" in out
     assert (f"  {path.name}: " in out and "| TGN (" in out and "3,000 events" in out
             and "features 8/4 (edge/node)" in out and "| 1.20x the defaults" in out)
 
