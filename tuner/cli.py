@@ -5,7 +5,9 @@
 device, seed, ``--config``) for the baseline config, searches the knobs of
 :mod:`fastopt.tuner.space` in an Optuna study (a progress bar with the best so far on a terminal,
 else one line per trial)
-and writes the best trial as a :class:`~fastopt.tuner.TuningRecord` JSON file. ``fastopt export``
+and writes the best trial as a :class:`~fastopt.tuner.TuningRecord` JSON file; stopped by Ctrl-C
+or SIGTERM (a scheduler, ``timeout``), it writes the record of the trials that finished and exits
+with 130 or 143. ``fastopt export``
 writes the record of an existing study, finished or not. ``fastopt configs list`` shows the
 records ``config="auto"`` can pick (``tuner.records_dir``, then those shipped in the package) and
 ``fastopt configs show`` one of them in full.
@@ -13,6 +15,8 @@ records ``config="auto"`` can pick (``tuner.records_dir``, then those shipped in
 
 from __future__ import annotations
 
+import contextlib
+import signal
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -106,14 +110,42 @@ def _cmd_tune(args, build_config: Callable) -> int:
     print(f"fastopt tune: {args.model} on {graph.name} ({graph.num_events:,} events), {tu.trials} "
           f"trials of {tu.warmup_steps} + {tu.steps_per_trial} steps, storage {storage_url(tu.storage)}",
           flush=True)
-    run = tune(graph, args.model, cfg, trials=tu.trials, timeout=args.timeout, storage=tu.storage,
-               study_name=args.study_name, batch_sizes=sizes, max_device_memory=limit,
-               window=Window.of(cfg), say=lambda line: print(line, flush=True),
-               progress=not args.no_progress)
-    record = run.record or record_from_study(run.study)  # raises, naming why no trial completed
-    path = record.save(args.out or tu.records_dir or ".")
-    print(_summary(record, path))
+    with _sigterm_interrupts() as received:
+        run = tune(graph, args.model, cfg, trials=tu.trials, timeout=args.timeout, storage=tu.storage,
+                   study_name=args.study_name, batch_sizes=sizes, max_device_memory=limit,
+                   window=Window.of(cfg), say=lambda line: print(line, flush=True),
+                   progress=not args.no_progress)
+    if run.interrupted and run.record is None:
+        print("fastopt tune: no trial had finished; no record written", flush=True)
+    else:
+        record = run.record or record_from_study(run.study)  # raises, naming why no trial completed
+        path = record.save(args.out or tu.records_dir or ".")
+        print(_summary(record, path))
+    if run.interrupted:  # as a shell reports a command the signal ended
+        return 128 + (received[0] if received else signal.SIGINT)
     return 0
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM (a scheduler's or ``timeout``'s stop) raises KeyboardInterrupt in the block, as
+    Ctrl-C does, so that :func:`~fastopt.tuner.study.tune` stops the study and the finished
+    trials' record is still written; yields the signals received."""
+    received: List[int] = []
+
+    def interrupt(signum, frame):
+        received.append(signum)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: signals cannot be handled here
+        yield received
+        return
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _cmd_export(args) -> int:

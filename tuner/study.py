@@ -52,6 +52,7 @@ class TuningRun:
     study: optuna.Study
     space: SearchSpace
     record: Optional[TuningRecord]
+    interrupted: bool = False
 
 
 def default_trainer(model_name: str, graph) -> Callable[[Config], Any]:
@@ -138,6 +139,7 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
     objective = StepObjective(space, config, make_trainer or default_trainer(model_name, graph), window,
                               max_device_memory, check)
     del model  # the space and the context hold what the study needs of it
+    interrupted = False
     if trials > done:
         bar = progress_bar(None, "fastopt tune", progress, total=trials - done, leave=True)
         try:
@@ -146,10 +148,15 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
                 study.optimize(objective, n_trials=trials - done, timeout=timeout, gc_after_trial=False,
                                callbacks=[_release(objective, freeze), _progress(trials, say, bar),
                                           _stop_at(trials), _stop_before(timeout, say, started)])
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through fastopt tune: keep what finished
+            interrupted = True
+            release()
+            say("fastopt tune: interrupted; the trial that was running is marked failed and does "
+                "not count toward --trials (running the command again resumes the study)")
         finally:
             bar.close()
     completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    return TuningRun(study, space, record_from_study(study) if completed else None)
+    return TuningRun(study, space, record_from_study(study) if completed else None, interrupted)
 
 
 def _release(objective: StepObjective, freeze: bool):

@@ -117,15 +117,18 @@ def test_three_trials_with_a_failing_config_pruned(small_graph, config, tmp_path
 
 def test_a_stopped_study_resumes_from_sqlite(small_graph, config, tmp_path, one_thread):
     db = str(tmp_path / "resume.db")
-    with pytest.raises(KeyboardInterrupt):  # the run is stopped in its second trial
-        tune(small_graph, "tgn", config, trials=3, storage=db, study_name="r", window=WINDOW,
-             say=lambda line: None, make_trainer=failing_on(2, KeyboardInterrupt(), small_graph))
+    said = []  # the run is stopped (Ctrl-C) in its second trial: the first one's record is kept
+    first = tune(small_graph, "tgn", config, trials=3, storage=db, study_name="r", window=WINDOW,
+                 say=said.append, make_trainer=failing_on(2, KeyboardInterrupt(), small_graph))
+    assert first.interrupted and first.record is not None and first.record.study["complete"] == 1
+    assert "fastopt tune: interrupted" in said[-1]
     stopped = open_study(db, "r", create=False)
     assert [t.state for t in stopped.trials] == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL]
     lines = []
     run = tune(small_graph, "tgn", config, trials=3, storage=db, study_name="r", window=WINDOW,
                say=lines.append)
     states = [t.state for t in run.study.trials]
+    assert not run.interrupted
     assert states.count(optuna.trial.TrialState.COMPLETE) == 3  # the failed trial is run again
     assert sum(t.user_attrs.get("role") == "baseline" for t in run.study.trials) == 1
     assert "resuming study 'r': 1 trial(s) finished" in lines[1]

@@ -36,6 +36,38 @@ def test_tune_then_export(tiny_file, tmp_path, capsys, one_thread):
     assert f"wrote {again}" in capsys.readouterr().out
 
 
+def test_sigterm_stops_the_study_and_writes_the_finished_trials_record(tiny_file, tmp_path):
+    """A scheduler's stop (SIGTERM) mid-study: the trials that finished give the record, the
+    exit status is 143 as for a command the signal ended, and the study resumes from its file."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out_dir = tmp_path / "records"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastopt.cli", "tune", "--dataset", str(tiny_file), *MODEL, "--trials", "200",
+         "--warmup", "1", "--steps", "3", "--storage", str(tmp_path / "t.db"), "--study-name", "term",
+         "--out", str(out_dir), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    for line in proc.stdout:  # the second trial's line: one trial at least has finished
+        lines.append(line)
+        if line.startswith("trial 2/200"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    out = "".join(lines) + rest
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "fastopt tune: interrupted" in out
+    (path,) = out_dir.glob("*.json")
+    assert f"wrote {path}" in out
+    record = TuningRecord.load(path)
+    finished = record.study.get("complete", 0) + record.study.get("pruned", 0)
+    assert record.study["name"] == "term" and 2 <= finished < 200
+
+
 def test_train_says_which_record_it_used(tiny_file, tmp_path, capsys, one_thread, monkeypatch):
     monkeypatch.setenv("FASTOPT_TUNER_RECORDS_DIR", str(tmp_path / "nothing"))
     from fastopt import config as fconfig
