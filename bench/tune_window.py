@@ -22,6 +22,7 @@ prints ``WRONG RESULT`` and the script exits with status 1.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from typing import Any, Dict
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
                        "loss": stats.loss})
         print(f"{'epoch ' + str(epoch):<24} {stats.seconds:8.3f} s  step stage {epochs[-1]['step_s']:.3f} s  "
               f"loss {stats.loss:.4f}", flush=True)
-        if not stats.loss == stats.loss:
+        if not math.isfinite(stats.loss):
             return report_wrong([f"epoch {epoch}'s mean loss is not finite"])
     rows.append(window_line(trainer, window, "window (after epochs)"))
     steady = statistics.median(e["seconds"] for e in epochs[1:]) if len(epochs) > 1 else None

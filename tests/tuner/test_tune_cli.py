@@ -37,8 +37,8 @@ def test_tune_then_export(tiny_file, tmp_path, capsys, one_thread):
 
 
 def test_sigterm_stops_the_study_and_writes_the_finished_trials_record(tiny_file, tmp_path):
-    """A scheduler's stop (SIGTERM) mid-study: the trials that finished give the record, the
-    exit status is 143 as for a command the signal ended, and the study resumes from its file."""
+    """A scheduler's stop (SIGTERM) mid-study: the trials that finished give the record, and the
+    exit status is 143, as for a command the signal ended (resuming is test_study's)."""
     import os
     import signal
     import subprocess
