@@ -20,7 +20,8 @@
 # (tgn tgat) on each of TUNE_DATASETS (wikipedia; email-eu-core, the other shipped graph; or a path
 # carried in a git-ignored folder), TRIALS trials (40) in one SQLite file, records to $OUT/records (--max-device-memory
 # MAX_MEMORY_GB when set), then fastopt bench of fastopt and fastopt-tuned side by side per pair
-# (tune.log, tuned-*.json); each study under TUNE_S seconds (900). The tuner needs optuna there:
+# (tune.log, tuned-*.json; --interleave); each study under TUNE_S seconds (900); LIMIT_STUDY: one of them again
+# under a device-memory limit below its baseline's peak (see the step). The tuner needs optuna there:
 # carry its wheels (device README) in ../.whl (or WHEELS): this script installs them apart. "scale": a
 # GDELT-like graph of SCALE_EVENTS (50 M) events synthesized on the machine (SCALE_DIR, ~39 GB at
 # 50 M), then fastopt bench of TGN at batch 4,000, features on the host through a device cache of
@@ -95,10 +96,40 @@ if [[ " $STEPS " == *" tune "* ]]; then
             timeout 60 fastopt export --storage "sqlite:///$OUT/tune.db" --study-name "$study" --out "$OUT/records" \
                 >> "$OUT/tune.log" 2>&1
             FASTOPT_TUNER_RECORDS_DIR="$OUT/records" timeout "${BENCH_S:-130}" fastopt bench --dataset "$d" --model $m \
-                --batch-size 600 --edge-dim 172 --epochs "${BENCH_EPOCHS:-4}" --contenders fastopt,fastopt-tuned --no-progress \
-                --json "$OUT/tuned-$m-$(basename "$d" | cut -d. -f1).json" >> "$OUT/tune.log" 2>&1
+                --batch-size 600 --edge-dim 172 --epochs "${BENCH_EPOCHS:-4}" --contenders fastopt,fastopt-tuned --interleave \
+                --no-progress --json "$OUT/tuned-$m-$(basename "$d" | cut -d. -f1).json" >> "$OUT/tune.log" 2>&1
         done
     done
+    if [ -n "${LIMIT_STUDY:-}" ]; then
+        # study LIMIT_STUDY (one of the above, "model-dataset") again under a device-memory limit
+        # LIMIT_BELOW_MB (64) below its baseline trial's peak (the all-on-device footprint), with
+        # LIMIT_TRIALS trials under LIMIT_S seconds; its record goes to records-limited (not shipped)
+        gb=$(python3 - "$OUT/tune.db" "$LIMIT_STUDY" "${LIMIT_BELOW_MB:-64}" <<'PY'
+import sys, optuna
+study = optuna.load_study(study_name=sys.argv[2], storage=f"sqlite:///{sys.argv[1]}")
+base = next(t for t in study.trials if t.user_attrs.get("role") == "baseline")
+peak = base.user_attrs["peak_device_bytes"]
+print(f"{(peak - int(sys.argv[3]) * 2**20) / 2**30:.4f}")
+print(f"{sys.argv[2]}: baseline peak {peak / 2**30:.4f} GiB", file=sys.stderr)
+PY
+        )
+        echo "limited study: $LIMIT_STUDY under ${gb} GB" | tee -a "$OUT/tune.log"
+        timeout "${LIMIT_S:-200}" fastopt tune --dataset "${LIMIT_STUDY#*-}" --model "${LIMIT_STUDY%%-*}" --batch-size 600 \
+            --edge-dim 172 --trials "${LIMIT_TRIALS:-16}" --timeout "$(( ${LIMIT_S:-200} - 60 ))" \
+            --storage "sqlite:///$OUT/tune.db" --study-name "$LIMIT_STUDY-limited" --out "$OUT/records-limited" \
+            --max-device-memory "$gb" --no-progress >> "$OUT/tune.log" 2>&1
+        python3 - "$OUT/tune.db" "$LIMIT_STUDY" >> "$OUT/tune.log" 2>&1 <<'PY'
+import sys, optuna
+for name in (sys.argv[2], sys.argv[2] + "-limited"):
+    study = optuna.load_study(study_name=name, storage=f"sqlite:///{sys.argv[1]}")
+    for t in study.trials:
+        v = t.user_attrs.get("values", {})
+        peak = t.user_attrs.get("peak_device_bytes")
+        print(name, t.number, t.state.name, None if t.value is None else round(t.value, 4),
+              None if peak is None else round(peak / 2**30, 4), v.get("cache.placement"),
+              v.get("cache.budget_fraction"), (t.user_attrs.get("failure") or t.user_attrs.get("pruned") or "")[:90])
+PY
+    fi
     grep -E "^(fastopt|fastopt-tuned) |tuned record|no tuning record|best" "$OUT/tune.log"
 fi
 if [[ " $STEPS " == *" scale "* ]]; then

@@ -40,6 +40,7 @@ from torch.autograd.function import once_differentiable
 from fastopt.errors import TraceError
 from fastopt.runtime.flatten import flatten, unflatten
 from fastopt.runtime.padding import RowPad, constant_rows
+from fastopt.runtime.streams import warmup_stream
 
 __all__ = ["GraphPair", "Uncapturable", "WARMUP_CALLS", "replayable_writes", "end_generator_capture"]
 
@@ -244,7 +245,7 @@ class GraphPair:
         versions = [s._version for s in static]
 
         saved = [(b, b.detach().clone()) for b in module.buffers()]
-        side = torch.cuda.Stream(device)
+        side = warmup_stream(device)  # one per device: a fresh one would hold cuBLAS workspaces
         side.wait_stream(torch.cuda.current_stream(device))
         # on aliased leaves, as the capture: the parameters' own AccumulateGrad nodes, which an
         # earlier eager backward may still hold, never see the side stream

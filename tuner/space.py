@@ -269,10 +269,12 @@ class SearchSpace:
                 params[knob.name] = knob.choices[0]
         return params
 
-    def neighbors(self, limit: int) -> List[Dict[str, Any]]:
+    def neighbors(self, limit: int, first: Sequence[str] = ()) -> List[Dict[str, Any]]:
         """Up to ``limit`` variations of the baseline that change one knob each, in rounds:
         every knob's first other choice, then every knob's second, and so on (knobs in the order
-        they are suggested), so that a list at least as long as the knobs moves each knob once. A
+        they are suggested), so that a list at least as long as the knobs moves each knob once;
+        the knobs named in ``first`` (those in the space) go through all their choices before
+        the rounds (under a device-memory limit: the feature tables' placement). A
         knob that matters only under another's value is varied where the baseline makes it
         matter; a change that makes such a knob matter gives it its first choice. A variation
         that runs as the baseline or an earlier one does (:meth:`_runs_as`: ``0`` for automatic
@@ -282,21 +284,24 @@ class SearchSpace:
         base = self.baseline()
         out: List[Dict[str, Any]] = []
         seen = {self._runs_as(base)}
-        for r in range(1, max((len(k.choices) for k in self.knobs), default=1)):
-            for knob in self.knobs:
-                if len(out) >= limit:
-                    return out
-                if knob.name not in base or r >= len(knob.choices):
-                    continue
-                params: Dict[str, Any] = {}
-                for other in self.knobs:
-                    if other.when(params):
-                        params[other.name] = (knob.choices[r] if other is knob
-                                              else base.get(other.name, other.choices[0]))
-                key = self._runs_as(params)
-                if key not in seen:
-                    seen.add(key)
-                    out.append(params)
+        early = [k for k in self.knobs if k.name in first]
+        rounds = range(1, max((len(k.choices) for k in self.knobs), default=1))
+        order = [(k, r) for k in early for r in range(1, len(k.choices))]
+        order += [(k, r) for r in rounds for k in self.knobs if k not in early]
+        for knob, r in order:
+            if len(out) >= limit:
+                break
+            if knob.name not in base or r >= len(knob.choices):
+                continue
+            params: Dict[str, Any] = {}
+            for other in self.knobs:
+                if other.when(params):
+                    params[other.name] = (knob.choices[r] if other is knob
+                                          else base.get(other.name, other.choices[0]))
+            key = self._runs_as(params)
+            if key not in seen:
+                seen.add(key)
+                out.append(params)
         return out
 
     def _runs_as(self, params: Dict[str, Any]) -> Tuple[Tuple[str, Any], ...]:

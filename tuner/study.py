@@ -6,8 +6,9 @@ the baseline config as the study's first trial (so that the record compares the 
 the defaults measured in the same run), then the trials left to reach the total asked for.
 Several workers (processes, machines) may run :func:`tune` on one study in an RDB storage at once:
 the worker that creates the study enqueues the baseline and the baseline's one-knob variations
-(:meth:`~fastopt.tuner.space.SearchSpace.neighbors`, ``tuner.neighbor_share`` of the trials)
-ahead of the sampler's own suggestions, Optuna hands each trial to one worker,
+(:meth:`~fastopt.tuner.space.SearchSpace.neighbors`, ``tuner.neighbor_share`` of the trials;
+under a device-memory limit those of the feature tables' placement first) ahead of the
+sampler's own suggestions, Optuna hands each trial to one worker,
 and each worker stops once the study's finished and running trials reach the total.
 :func:`export_record` turns a study, finished or not, into a :class:`TuningRecord`.
 """
@@ -39,6 +40,8 @@ ROLE = "role"
 CHANGED = "changed"
 # fields of the context that must agree for a study to be resumed
 _SAME_PROBLEM = (("model", "key"), ("dataset", None), ("device", None), ("space", None))
+# knobs whose variations the study tries first under a device-memory limit
+MEMORY_KNOBS = ("cache.placement",)
 # trials that count toward a study's total: a trial that failed (its process interrupted or
 # killed) is run again when the study resumes
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
@@ -124,7 +127,9 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
         _claim(study, context)
         base = space.baseline()
         study.enqueue_trial(base, user_attrs={ROLE: "baseline"})
-        for params in space.neighbors(round(config.tuner.neighbor_share * (trials - 1))):
+        # under a device-memory limit the tables' placement is varied first: the defaults may not fit
+        first = MEMORY_KNOBS if max_device_memory is not None else ()
+        for params in space.neighbors(round(config.tuner.neighbor_share * (trials - 1)), first):
             changed = " ".join(f"{k}={v}" for k, v in params.items() if k in base and base[k] != v)
             study.enqueue_trial(params, user_attrs={ROLE: "neighbor", CHANGED: changed})
 

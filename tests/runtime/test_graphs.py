@@ -4,6 +4,7 @@ signatures, the LRU, fallbacks, and on a GPU the captured forward/backward again
 from __future__ import annotations
 
 import copy
+import gc
 from collections import namedtuple
 from dataclasses import dataclass
 
@@ -523,6 +524,38 @@ def test_padded_replays_of_changing_sizes_equal_eager():
             for a, b in zip([x.grad, layer.weight.grad, layer.bias.grad], want):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert runner.held == 1 and runner.record.captures == 1
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_captures_warm_up_on_one_stream_so_cublas_workspaces_do_not_pile_up():
+    """cuBLAS keeps a workspace for every stream a matrix product ran on, in the device allocator,
+    for the life of the process: warm-ups on a fresh stream per capture left 64 MiB allocated per
+    capture. They run on the device's one warm-up stream."""
+    from fastopt.runtime.streams import copy_stream, warmup_stream
+
+    device = torch.device("cuda")
+    assert warmup_stream(device) is warmup_stream(device) and warmup_stream(device) != copy_stream(device)
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 64).cuda()
+
+    def capture_once(rows):
+        runner = graphs.GraphRunner(graphs.GraphCapture("linear"))
+        x = torch.randn(rows, 64, device="cuda", requires_grad=True)
+        with patch(passes__cuda_graphs="on"):
+            out = runner(layer, layer.forward, (x,), {})
+            torch.testing.assert_close(out, layer(x), rtol=1e-5, atol=1e-6)
+            out.sum().backward()
+        assert runner.record.captures == 1
+
+    capture_once(8)  # the warm-up stream's workspaces, once
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for rows in (9, 10, 11, 12, 13):
+        capture_once(rows)
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 8 << 20
 
 
 @pytest.mark.gpu

@@ -150,6 +150,19 @@ def test_neighbors_change_one_knob_each_every_knob_before_any_twice(small_graph,
     assert space.neighbors(3) == every[:3] and space.neighbors(0) == []
 
 
+def test_knobs_named_first_go_through_their_choices_before_the_rounds(small_graph, two_cores):
+    """Under a device-memory limit the study varies the tables' placement first (``first``): the
+    baseline may not fit. The other variations follow in the rounds' order, none repeated."""
+    space = space_for("tgn", small_graph, device="cuda")
+    base, every = space.baseline(), space.neighbors(10_000)
+    early = space.neighbors(10_000, first=("cache.placement", "not.a_knob"))
+    placement = [p for p in every if p["cache.placement"] != base["cache.placement"]]
+    assert [p["cache.placement"] for p in early[:2]] == ["device", "host"] and early[:2] == placement
+    assert early[2:] == [p for p in every if p not in placement]
+    assert space.neighbors(1, first=("cache.placement",)) == early[:1]
+    assert space.neighbors(5, first=()) == every[:5]
+
+
 def test_a_new_study_runs_the_baseline_then_its_neighbors(small_graph, two_cores, tmp_path, monkeypatch):
     """What the study enqueues: the baseline, then ``tuner.neighbor_share`` of the other trials
     as one-knob variations, in :meth:`SearchSpace.neighbors` order."""
@@ -188,6 +201,14 @@ def test_a_new_study_runs_the_baseline_then_its_neighbors(small_graph, two_cores
     for params, _, changed in seen[1:]:  # named in the trial's line: the knob and its value
         (name,) = [k for k in params if k in base and params[k] != base[k]]
         assert changed == f"{name}={params[name]}"
+    seen.clear()  # under a device-memory limit (on a CUDA space): the tables' placement first
+    monkeypatch.setattr(study_module, "build_space", lambda *a, **k: space_for("tgn", small_graph, device="cuda"))
+    with pytest.raises(RuntimeError, match="stop once"):
+        study_module.tune(small_graph, "tgn", config, trials=9, storage=str(tmp_path / "m.db"),
+                          max_device_memory=1 << 30, say=lambda _: None)
+    cuda = space_for("tgn", small_graph, device="cuda")
+    assert [p for p, _, _ in seen[1:]] == cuda.neighbors(4, first=("cache.placement",))
+    assert [c for _, _, c in seen[1:3]] == ["cache.placement=device", "cache.placement=host"]
 
 
 def test_batch_size_only_from_the_list_the_user_allows(small_graph):
