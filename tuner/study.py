@@ -151,7 +151,7 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
             with _frozen() as freeze:
                 # one collection per trial, once Optuna has dropped the trial
                 study.optimize(objective, n_trials=trials - done, timeout=timeout, gc_after_trial=False,
-                               callbacks=[_release(objective, freeze), _progress(trials, say, bar),
+                               callbacks=[_release(objective, freeze), _progress(trials, say, bar, started),
                                           _stop_at(trials), _stop_before(timeout, say, started)])
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through fastopt tune: keep what finished
             interrupted = True
@@ -258,10 +258,12 @@ def phases_line(phases: Optional[Dict[str, float]]) -> str:
     return " | " + ", ".join(f"{name.replace('warmup', 'warm-up')} {sec:.1f} s" for name, sec in phases.items())
 
 
-def _progress(total: int, say: Callable[[str], None], bar):
-    """A study callback reporting each finished trial with the best so far: a line to ``say``, or,
-    where ``bar`` draws (:func:`~fastopt.progress.progress_bar`), a step of the bar whose postfix
-    holds the best so far and the last trial's outcome."""
+def _progress(total: int, say: Callable[[str], None], bar, start: Optional[float] = None,
+              clock: Callable[[], float] = time.monotonic):
+    """A study callback reporting each finished trial with the best so far: a line to ``say``
+    (ending with the seconds since ``start``, a ``clock`` reading, where given), or, where ``bar``
+    draws (:func:`~fastopt.progress.progress_bar`), a step of the bar whose postfix holds the best
+    so far and the last trial's outcome."""
     def report(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         head = f"trial {trial.number + 1}/{total}"
         role = trial.user_attrs.get(ROLE)
@@ -282,7 +284,8 @@ def _progress(total: int, say: Callable[[str], None], bar):
         except ValueError:
             tail = "no trial completed yet"
         if bar.disable:
-            say(f"{head}: {what} | {tail}{phases_line(trial.user_attrs.get('phases'))}")
+            since = "" if start is None else f" | {clock() - start:.0f} s since the start"
+            say(f"{head}: {what} | {tail}{phases_line(trial.user_attrs.get('phases'))}{since}")
         else:
             bar.update(1)
             bar.set_postfix_str(f"{tail}; trial {trial.number + 1}: {last}")

@@ -22,6 +22,7 @@ def test_tune_then_export(tiny_file, tmp_path, capsys, one_thread):
     assert rc == 0, out
     assert "search space:" in out and "train.batch_size" in out
     assert out.count("\ntrial ") == 2 and "trial 1/2 (baseline)" in out and "| best " in out
+    assert all(line.endswith(" s since the start") for line in out.splitlines() if line.startswith("trial "))
     (path,) = (tmp_path / "records").glob("*.json")
     assert f"wrote {path}" in out
     record = TuningRecord.load(path)
