@@ -1,14 +1,15 @@
 """Whether the tuner's trial window times the steady training step.
 
-A trial (``fastopt tune``) times a short window of epoch 0 (:func:`fastopt.tuner.objective.measure_window`)
-and multiplies its median step by the epoch's batches. This script builds a trainer for the
+A trial (``fastopt tune``) times a window of epoch 0 (:func:`fastopt.tuner.objective.measure_window`;
+by default the rest of the epoch after the warm-up) and multiplies its mean step by the epoch's
+batches. This script builds a trainer for the
 default config as a trial does, checks it against eager as a trial does
 (:func:`~fastopt.tuner.objective.check_against_eager`), times the window, then trains
 ``--epochs`` whole epochs with the same trainer and times the window once more::
 
     python bench/tune_window.py --model tgat --json bench/results/tune-window.json
 
-One line each: the window's estimate of an epoch (median step times batches; its steps' 10th and
+One line each: the window's estimate of an epoch (mean step times batches; its steps' 10th and
 90th percentiles; the steps captured in it) and the trained epochs (wall seconds, the ``step``
 stage). ``--no-plan`` leaves the shape plan out (``pipeline.shape_plans`` off: the window's
 lengths grow as the history fills, as every trial's did before

@@ -262,8 +262,9 @@ class TunerConfig:
     trials: int = 40
     # Optuna storage: an RDB URL or a SQLite file ("" = fastopt-tune.db in the working directory)
     storage: str = ""
-    # timed training steps per trial
-    steps_per_trial: int = 50
+    # timed training steps per trial, at most the rest of the epoch after the warm-up (the whole
+    # epoch of the shipped graphs: the epoch's first steps are its cheapest)
+    steps_per_trial: int = 1000
     # training steps run before the timed ones in each trial (warm-up: compiles, captures, caches)
     warmup_steps: int = 5
     # wall seconds a trial may take (build, check, warm-up and window); a trial past it is pruned

@@ -46,7 +46,7 @@ def add_tune(sub, add_run_flags: Callable, build_config: Callable) -> None:
     p.add_argument("--max-device-memory", type=float, default=None, metavar="GB",
                    help="device memory a trial may hold (CUDA); trials above it are pruned")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per trial (default 5)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per trial (default 50)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per trial, at most the rest of the epoch (default 1000)")
     p.add_argument("--trial-seconds", type=float, default=None, metavar="S",
                    help="wall seconds one trial may take, or it is pruned (default 60; 0 = no limit)")
     p.add_argument("--out", default=None,

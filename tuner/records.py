@@ -1,7 +1,7 @@
 """Tuned configurations as data: :class:`TuningRecord` JSON files and their lookup.
 
 A record says which knob values made training fastest for one device, model and dataset, and
-how fast: the median step of the best trial and of the baseline (default) config, both measured
+how fast: the mean step of the best trial and of the baseline (default) config, both measured
 in the same tuning run. It is keyed by
 
 - the device: the GPU's name and compute capability, or ``"cpu"`` and the CPU model;
@@ -129,10 +129,10 @@ class TuningRecord:
         model: :func:`model_fingerprint` of the model tuned.
         dataset: :func:`dataset_signature` of the graph tuned on.
         values: the best trial's knob values, ``{"group.field": value}``.
-        step_seconds: the best trial's median training step.
-        default_step_seconds: the baseline config's median step in the same run (None when the
+        step_seconds: the best trial's mean training step.
+        default_step_seconds: the baseline config's mean step in the same run (None when the
             baseline trial did not complete).
-        epoch_seconds: the best trial's median step times the training batches of an epoch (the
+        epoch_seconds: the best trial's mean step times the training batches of an epoch (the
             value the study minimized: comparable across batch sizes).
         default_epoch_seconds: the same for the baseline config.
         versions: torch, triton and fastopt versions of the run.

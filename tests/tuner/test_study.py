@@ -50,7 +50,7 @@ def test_window_times_steps_after_the_warmup(small_graph, config, one_thread):
     assert len(result.steps) == 4 and result.timing == "wall" and result.peak_device_bytes is None
     batches = trainer.loader.num_batches("train")
     assert result.step_seconds > 0 and result.epoch_seconds == pytest.approx(result.step_seconds * batches)
-    # the halfway report is in the study's unit (per epoch): the median of the first two steps
+    # the halfway report is in the study's unit (per epoch): the mean of the first two steps
     assert [step for step, _ in seen] == [2]
     assert seen[0][1] == pytest.approx((result.steps[0] + result.steps[1]) / 2 * batches)
 
