@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import statistics
 import time
 import weakref
 
@@ -53,6 +54,19 @@ def test_window_times_steps_after_the_warmup(small_graph, config, one_thread):
     # the halfway report is in the study's unit (per epoch): the mean of the first two steps
     assert [step for step, _ in seen] == [2]
     assert seen[0][1] == pytest.approx((result.steps[0] + result.steps[1]) / 2 * batches)
+
+
+def test_a_window_longer_than_the_epoch_leaves_its_smaller_last_batch_out(small_graph, config, one_thread):
+    """The smaller last batch is captured and specialized once per run: it is never timed."""
+    split = small_graph.split_range("train")
+    n = split.stop - split.start
+    config.set("train.batch_size", next(b for b in range(max(2, n // 6), n) if n % b))
+    trainer = default_trainer("tgn", small_graph)(config)
+    batches = trainer.loader.num_batches("train")
+    assert batches * config.train.batch_size > n  # the last batch is the smaller one
+    result = measure_window(trainer, Window(1, 10_000))
+    assert len(result.steps) == batches - 2  # the warm-up step and the last batch left out
+    assert result.epoch_seconds == pytest.approx(statistics.fmean(result.steps) * batches)
 
 
 def test_a_step_after_the_deadline_stops_the_window(small_graph, config, one_thread):
