@@ -271,6 +271,12 @@ class TunerConfig:
     # with the reason, so that one config compiling or capturing for minutes cannot eat a
     # study's time (0 = no limit)
     trial_seconds: float = 60.0
+    # after the trials, rounds in which the baseline and the best trials are measured again in
+    # turns, each time a fresh trainer and window: the record compares their medians, not one
+    # window each (trials drift 20 % on a shared host; the best of 40 noisy windows is flattered)
+    confirm_rounds: int = 3
+    # the best completed trials measured again beside the baseline
+    confirm_top: int = 3
     # share of a new study's trials that first vary one knob of the baseline each (the rest: TPE)
     neighbor_share: float = 0.5
     # tuning records config="auto" reads before the ones shipped in the package ("" = shipped only)
@@ -453,6 +459,8 @@ class Config:
         _check(self.tuner.trials >= 1, "tuner.trials", self.tuner.trials, ">= 1")
         _check(self.tuner.steps_per_trial >= 1, "tuner.steps_per_trial", self.tuner.steps_per_trial, ">= 1")
         _check(self.tuner.warmup_steps >= 0, "tuner.warmup_steps", self.tuner.warmup_steps, ">= 0")
+        _check(self.tuner.confirm_rounds >= 0, "tuner.confirm_rounds", self.tuner.confirm_rounds, ">= 0")
+        _check(self.tuner.confirm_top >= 1, "tuner.confirm_top", self.tuner.confirm_top, ">= 1")
         _check(self.tuner.trial_seconds >= 0, "tuner.trial_seconds", self.tuner.trial_seconds,
                ">= 0 (0 = no limit)")
         _check(0 <= self.tuner.neighbor_share <= 1, "tuner.neighbor_share", self.tuner.neighbor_share,

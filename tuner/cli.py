@@ -232,7 +232,9 @@ def _cmd_configs_show(args) -> int:
         f"({_speedup_text(record)})",
         f"epoch: {_s(record.epoch_seconds)} best, {_s(record.default_epoch_seconds)} baseline",
         f"measured: {m.get('timing') or '?'} timing, {m.get('warmup', '?')} warm-up + {m.get('timed', '?')} "
-        f"timed steps, device memory limit {f'{limit / 2**30:.1f} GB' if limit else 'none'}",
+        f"timed steps, device memory limit {f'{limit / 2**30:.1f} GB' if limit else 'none'}, "
+        + (f"medians of {m['confirm_rounds']} confirmation round(s)" if m.get("confirm_rounds")
+           else "one window per trial"),
         "versions: " + ", ".join(f"{k} {v or '-'}" for k, v in record.versions.items()),
         f"study: {study.get('name', '?')} ({study.get('model_name', '?')}), {study.get('trials', '?')} trial(s), "
         f"{study.get('complete', 0)} complete, {study.get('pruned', 0)} pruned, best trial "

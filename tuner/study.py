@@ -17,20 +17,22 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import optuna
 import torch
 
 from fastopt.config import Config
-from fastopt.tuner.objective import StepObjective, Window, check_against_eager, release, values_line
+from fastopt.tuner.objective import (StepObjective, Window, check_against_eager, failure_reason, release,
+                                     values_line)
 from fastopt.tuner.records import TuningRecord, dataset_signature, device_identity, library_versions, now
 from fastopt.tuner.space import SearchSpace, build_space
 from fastopt.tuner.storage import StudyError, open_study
 
-__all__ = ["TuningRun", "export_record", "record_from_study", "tune"]
+__all__ = ["TuningRun", "confirm", "export_record", "record_from_study", "tune"]
 
 # study user attribute holding what the study tunes
 CONTEXT = "fastopt"
@@ -40,6 +42,8 @@ ROLE = "role"
 CHANGED = "changed"
 # fields of the context that must agree for a study to be resumed
 _SAME_PROBLEM = (("model", "key"), ("dataset", None), ("device", None), ("space", None))
+# study user attribute: each confirmed trial's epoch seconds per round, {"<number>": [...]}
+CONFIRMED = "confirmed"
 # knobs whose variations the study tries first under a device-memory limit
 MEMORY_KNOBS = ("cache.placement",)
 # trials that count toward a study's total: a trial that failed (its process interrupted or
@@ -152,7 +156,9 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
                 # one collection per trial, once Optuna has dropped the trial
                 study.optimize(objective, n_trials=trials - done, timeout=timeout, gc_after_trial=False,
                                callbacks=[_release(objective, freeze), _progress(trials, say, bar, started),
-                                          _stop_at(trials), _stop_before(timeout, say, started)])
+                                          _stop_at(trials), _stop_before(timeout, say, started, reserve=lambda s:
+                                          confirmation_seconds(s, config.tuner.confirm_rounds,
+                                                               config.tuner.confirm_top))])
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through fastopt tune: keep what finished
             interrupted = True
             release()
@@ -160,8 +166,82 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
                 "not count toward --trials (running the command again resumes the study)")
         finally:
             bar.close()
+    if not interrupted and trials > done:
+        deadline = None if timeout is None else started + timeout
+        try:
+            confirm(study, objective, config.tuner.confirm_rounds, config.tuner.confirm_top, say, deadline)
+        except KeyboardInterrupt:
+            interrupted = True
+            release()
+            say("fastopt tune: interrupted in the confirmation; the record compares the trials' own windows")
     completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     return TuningRun(study, space, record_from_study(study) if completed else None, interrupted)
+
+
+def confirm(study: optuna.Study, objective: StepObjective, rounds: int, top: int,
+            say: Callable[[str], None] = print, deadline: Optional[float] = None,
+            clock: Callable[[], float] = time.monotonic) -> Dict[int, List[float]]:
+    """Measure the baseline trial and the ``top`` best other completed trials again, ``rounds``
+    times in turns (each round starts one further along, so that none is always first), and store
+    the epoch seconds in the study's user attribute :data:`CONFIRMED`; the record then compares
+    their medians (:func:`record_from_study`). A single window per trial drifts with the host
+    (20 % within one study on the H200) and the best of many noisy windows is flattered; the
+    medians of interleaved rounds are neither. Only whole rounds count: a round that would end
+    after ``deadline`` (a ``clock`` reading, at the pace of the longest measurement so far) is not
+    started. A candidate that fails when measured again (out of memory, the memory limit) is
+    dropped with its reason. Returns the stored seconds by trial number (empty: nothing to
+    compare, or no round fitted).
+    """
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    baseline = [t for t in complete if t.user_attrs.get(ROLE) == "baseline"][:1]
+    others = sorted((t for t in complete if t not in baseline), key=lambda t: t.value)[:top]
+    candidates = baseline + others
+    if rounds < 1 or len(candidates) < 2:
+        return {}
+    say(f"fastopt tune: confirming {', '.join(_trial_name(t) for t in candidates)}: {rounds} "
+        f"round(s) in turns")
+    seconds: Dict[int, List[float]] = {t.number: [] for t in candidates}
+    longest = 0.0
+    for r in range(rounds):
+        if deadline is not None and clock() + longest * len(candidates) > deadline:
+            say(f"fastopt tune: confirmation stopped after {r} round(s): --timeout")
+            break
+        shift = r % len(candidates)
+        for trial in candidates[shift:] + candidates[:shift]:
+            if trial.number not in seconds:
+                continue
+            began = clock()
+            try:
+                seconds[trial.number].append(objective.remeasure(trial.user_attrs["values"]))
+            except Exception as exc:  # noqa: BLE001  (a candidate that fails now is dropped)
+                say(f"fastopt tune: {_trial_name(trial)} dropped from the confirmation: {failure_reason(exc)}")
+                del seconds[trial.number]
+            finally:
+                release()
+            longest = max(longest, clock() - began)
+    rounds_done = min((len(v) for v in seconds.values()), default=0)
+    confirmed = {n: v[:rounds_done] for n, v in seconds.items()} if rounds_done and len(seconds) > 1 else {}
+    if confirmed:
+        study.set_user_attr(CONFIRMED, {str(n): v for n, v in confirmed.items()})
+        say("fastopt tune: confirmed (median of " + f"{rounds_done} round(s)): " + ", ".join(
+            f"{_trial_name(t)} {statistics.median(confirmed[t.number]):.3f} s/epoch"
+            for t in candidates if t.number in confirmed))
+    return confirmed
+
+
+def confirmation_seconds(study: optuna.Study, rounds: int, top: int) -> float:
+    """About how long :func:`confirm` will take: ``rounds`` times the baseline and ``top`` others,
+    each measurement as long as a completed trial's build, warm-up and window (the median;
+    its check against eager and its compiles are not repeated)."""
+    runs = [sum(t.user_attrs.get("phases", {}).get(p, 0.0) for p in ("build", "warmup", "window"))
+            for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    if rounds < 1 or len(runs) < 2:
+        return 0.0
+    return rounds * min(top + 1, len(runs)) * statistics.median(runs)
+
+
+def _trial_name(trial: optuna.trial.FrozenTrial) -> str:
+    return "the baseline" if trial.user_attrs.get(ROLE) == "baseline" else f"trial {trial.number + 1}"
 
 
 def _release(objective: StepObjective, freeze: bool):
@@ -210,11 +290,13 @@ def _claim(study: optuna.Study, context: Dict[str, Any]) -> None:
 
 
 def _stop_before(timeout: Optional[float], say: Callable[[str], None], start: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 reserve: Callable[[optuna.Study], float] = lambda study: 0.0):
     """A study callback that stops this worker when the next trial, as long as the longest of the
     last three completed ones (of any trial while none completed: a trial pruned early is short
     and says little of the next), would end more than ``timeout`` seconds after ``start`` (a
-    ``clock`` reading; None: never)."""
+    ``clock`` reading; None: never), less the seconds ``reserve`` keeps for what follows the
+    trials (the confirmation)."""
     deadline = None if timeout is None else start + timeout
     recent: list = []  # durations of the last completed trials
     other: list = []  # of the others, while none completed
@@ -228,9 +310,10 @@ def _stop_before(timeout: Optional[float], say: Callable[[str], None], start: fl
         else:
             other[:] = (other + [seconds])[-3:]
         pace = recent or other
-        left = deadline - clock()
-        if 0 < left < max(pace):
-            say(f"fastopt tune: stopping: {left:.0f} s of --timeout left, trials take up to "
+        left, kept = deadline - clock(), reserve(study)
+        if 0 < left and left - kept < max(pace):
+            after = f" (and {kept:.0f} s kept for the confirmation)" if kept else ""
+            say(f"fastopt tune: stopping: {left:.0f} s of --timeout left{after}, trials take up to "
                 f"{max(pace):.0f} s")
             study.stop()
 
@@ -311,18 +394,25 @@ def record_from_study(study: optuna.Study) -> TuningRecord:
         raise StudyError(f"study {study.study_name!r} has no completed trial ({len(study.trials)} "
                          f"finished or running; first reasons: {'; '.join(reasons) or 'none ran'}); "
                          f"run fastopt tune with more --trials or a longer --timeout")
-    best = min(complete, key=lambda t: t.value)
     baseline = next((t for t in complete if t.user_attrs.get(ROLE) == "baseline"), None)
+    # a confirmed study (:func:`confirm`): the medians of its rounds, else each trial's window
+    confirmed = {int(n): statistics.median(v) for n, v in study.user_attrs.get(CONFIRMED, {}).items()}
+    epoch = {t.number: confirmed.get(t.number, t.value) for t in complete}
+    best = min((t for t in complete if not confirmed or t.number in confirmed), key=lambda t: epoch[t.number])
+    # a step is the epoch over the same number of batches as the trial's own window
+    step = {t.number: t.user_attrs["step_seconds"] * (epoch[t.number] / t.value if t.value else 1.0)
+            for t in complete}
     counts = {s.name.lower(): sum(t.state == s for t in study.trials) for s in optuna.trial.TrialState}
     return TuningRecord(
         device=context["device"], model=context["model"], dataset=context["dataset"],
         values=dict(best.user_attrs.get("values", best.params)),
-        step_seconds=best.user_attrs["step_seconds"],
-        default_step_seconds=baseline.user_attrs["step_seconds"] if baseline else None,
-        epoch_seconds=best.value, default_epoch_seconds=baseline.value if baseline else None,
+        step_seconds=step[best.number],
+        default_step_seconds=step[baseline.number] if baseline else None,
+        epoch_seconds=epoch[best.number], default_epoch_seconds=epoch[baseline.number] if baseline else None,
         versions=context["versions"],
         measurement={"timing": best.user_attrs.get("timing"), **context["window"],
-                     "max_device_memory": context.get("max_device_memory")},
+                     "max_device_memory": context.get("max_device_memory"),
+                     "confirm_rounds": len(next(iter(study.user_attrs.get(CONFIRMED, {}).values()), []))},
         study={"name": study.study_name, "model_name": context.get("model_name"),
                "best_trial": best.number, "trials": len(study.trials),
                **{k: v for k, v in counts.items() if v}},

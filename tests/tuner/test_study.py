@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import json
 import statistics
 import time
 import weakref
 
 import optuna
 import pytest
+import torch
 
 from fastopt.config import Config
 from fastopt.errors import ConfigError, KernelError
 from fastopt.tuner import Window, export_record, open_study, tune
+from fastopt.tuner import objective
+from fastopt.tuner import study as study_module
 from fastopt.tuner.objective import TrialTimeout, measure_window
 from fastopt.tuner.storage import StudyError, storage_url
 from fastopt.tuner.study import default_trainer
@@ -80,7 +84,6 @@ def test_a_trial_past_its_time_limit_is_pruned_and_the_study_goes_on(small_graph
                                                                      one_thread, monkeypatch):
     """The second trial's build takes (on a clock moved forward) longer than tuner.trial_seconds:
     it is pruned with the reason at its first step, and the third trial runs to the end."""
-    import fastopt.tuner.objective as objective
 
     skew, make, calls = [0.0], default_trainer("tgn", small_graph), []
     clock = time.perf_counter
@@ -111,6 +114,7 @@ def test_a_trial_past_its_time_limit_is_pruned_and_the_study_goes_on(small_graph
 
 
 def test_three_trials_with_a_failing_config_pruned(small_graph, config, tmp_path, one_thread):
+    config.set("tuner.confirm_rounds", 0)  # the record compares the trials' own windows
     lines = []
     run = tune(small_graph, "tgn", config, trials=3, storage=str(tmp_path / "t.db"), study_name="s",
                window=WINDOW, say=lines.append,
@@ -126,7 +130,65 @@ def test_three_trials_with_a_failing_config_pruned(small_graph, config, tmp_path
     assert record.default_step_seconds == trials[0].user_attrs["step_seconds"]
     assert record.values == min((t for t in trials if t.value is not None), key=lambda t: t.value).user_attrs["values"]
     assert record.study["pruned"] == 1 and record.study["complete"] == 2
-    assert record.measurement == {"timing": "wall", "warmup": 1, "timed": 3, "max_device_memory": None}
+    assert record.measurement == {"timing": "wall", "warmup": 1, "timed": 3, "max_device_memory": None,
+                                  "confirm_rounds": 0}
+    assert study_module.CONFIRMED not in run.study.user_attrs
+
+
+def test_the_baseline_and_the_best_trials_are_measured_again_in_turns(small_graph, config, tmp_path,
+                                                                     one_thread, monkeypatch):
+    """After the trials the baseline and the ``confirm_top`` best others are measured again in
+    ``confirm_rounds`` rounds, each round starting one further along; the record compares the
+    medians, so a trial whose one window flattered it is not chosen, and a candidate that fails
+    when measured again is dropped."""
+    config.set("tuner.confirm_rounds", 3)
+    config.set("tuner.confirm_top", 2)
+    scripts = [[1.0, 1.0, 1.0], [3.0, 3.0, 0.1], [0.5, 0.6, 9.0]]  # by first appearance
+    seen, order = {}, []
+
+    def remeasure(self, values, deadline=None):
+        key = json.dumps(values, sort_keys=True)
+        if key not in seen:
+            seen[key] = scripts[len(seen)]
+        order.append(key)
+        return seen[key][sum(k == key for k in order) - 1]
+
+    monkeypatch.setattr(objective.StepObjective, "remeasure", remeasure)
+    lines = []
+    run = tune(small_graph, "tgn", config, trials=4, storage=str(tmp_path / "c.db"), study_name="c",
+               window=WINDOW, say=lines.append)
+    complete = [t for t in run.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    base = next(t for t in complete if t.user_attrs["role"] == "baseline")
+    x, y = sorted((t for t in complete if t is not base), key=lambda t: t.value)[:2]
+    b, kx, ky = (json.dumps(t.user_attrs["values"], sort_keys=True) for t in (base, x, y))
+    assert order == [b, kx, ky, kx, ky, b, ky, b, kx]  # in turns, each round one further along
+    assert run.study.user_attrs[study_module.CONFIRMED] == {
+        str(base.number): [1.0, 1.0, 1.0], str(x.number): [3.0, 3.0, 0.1], str(y.number): [0.5, 0.6, 9.0]}
+    record = run.record  # the medians: y (0.6 s) against the baseline (1.0 s)
+    assert record.values == y.user_attrs["values"] and record.study["best_trial"] == y.number
+    assert (record.epoch_seconds, record.default_epoch_seconds) == (0.6, 1.0)
+    assert record.step_seconds == pytest.approx(y.user_attrs["step_seconds"] * 0.6 / y.value)
+    assert record.measurement["confirm_rounds"] == 3
+    assert any(line.startswith("fastopt tune: confirmed (median of 3 round(s)): the baseline 1.000 s/epoch")
+               for line in lines)
+
+    def failing(self, values, deadline=None):  # x fails when measured again: dropped, with its reason
+        if json.dumps(values, sort_keys=True) == kx:
+            raise torch.cuda.OutOfMemoryError("out of memory")
+        return 1.0
+
+    monkeypatch.setattr(objective.StepObjective, "remeasure", failing)
+    said = []
+    confirmed = study_module.confirm(run.study, run_objective(run, small_graph, config), 2, 2, said.append)
+    assert set(confirmed) == {base.number, y.number} and all(v == [1.0, 1.0] for v in confirmed.values())
+    assert any(f"trial {x.number + 1} dropped from the confirmation: OutOfMemoryError" in s for s in said)
+    # no round fits before the deadline: nothing stored, nothing returned
+    assert study_module.confirm(run.study, None, 2, 2, said.append, deadline=0.0, clock=lambda: 1.0) == {}
+    assert said[-1] == "fastopt tune: confirmation stopped after 0 round(s): --timeout"
+
+
+def run_objective(run, graph, config):
+    return objective.StepObjective(run.space, config, default_trainer("tgn", graph), WINDOW)
 
 
 def test_a_stopped_study_resumes_from_sqlite(small_graph, config, tmp_path, one_thread):
@@ -206,8 +268,9 @@ def test_one_collection_per_trial_and_each_trainer_freed_before_the_next(small_g
                window=WINDOW, say=lambda line: None, make_trainer=factory)
     assert [t.state for t in run.study.trials] == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED,
                                                    optuna.trial.TrialState.COMPLETE]
-    assert len(trainers) == 3 and all(ref() is None for ref in trainers)
-    assert len(collections) == 1 + 3  # one before the trials, then one per trial
+    # then the confirmation: the baseline and the other completed trial, 3 rounds
+    assert len(trainers) == 3 + 2 * 3 and all(ref() is None for ref in trainers)
+    assert len(collections) == 1 + 3 + 2 * 3  # one before the trials, then one per trial and measurement
     assert gc.get_freeze_count() == frozen  # what the study froze is thawed
 
 
@@ -278,3 +341,30 @@ def test_the_timeout_stops_before_a_trial_that_would_end_after_it():
     never = Study()
     _stop_before(None, lines.append, start=0.0, clock=lambda: 1e9)(never, Trial(1e6))
     assert not never.stopped
+    # the confirmation's time is kept: 45 s left, 20 s of them kept, a 30 s trial does not fit
+    now[0], kept = 55, Study()
+    _stop_before(100.0, lines.append, start=0.0, clock=lambda: now[0], reserve=lambda s: 20.0)(kept, Trial(30))
+    assert kept.stopped and lines[-1] == ("fastopt tune: stopping: 45 s of --timeout left (and 20 s kept "
+                                          "for the confirmation), trials take up to 30 s")
+
+
+def test_the_confirmations_time_is_rounds_times_candidates_times_a_median_measurement():
+    from optuna.trial import TrialState
+
+    from fastopt.tuner.study import confirmation_seconds
+
+    class Trial:
+        def __init__(self, state, **phases):
+            self.state, self.user_attrs = state, {"phases": phases}
+
+    class Study:
+        trials = [Trial(TrialState.COMPLETE, build=1.0, check=50.0, warmup=20.0, window=1.0),  # compiles
+                  Trial(TrialState.COMPLETE, build=0.5, check=0.1, warmup=0.2, window=0.3),
+                  Trial(TrialState.COMPLETE, build=0.5, check=0.1, warmup=0.5, window=1.0),
+                  Trial(TrialState.PRUNED, build=0.1, unfinished=90.0)]
+
+    # the median of 22.0, 1.0 and 2.0 s; the baseline and two others (three completed)
+    assert confirmation_seconds(Study(), rounds=3, top=3) == 3 * 3 * 2.0
+    assert confirmation_seconds(Study(), rounds=0, top=3) == 0.0
+    Study.trials = Study.trials[:1]
+    assert confirmation_seconds(Study(), rounds=3, top=3) == 0.0  # nothing to compare
