@@ -271,11 +271,9 @@ class TunerConfig:
     # with the reason, so that one config compiling or capturing for minutes cannot eat a
     # study's time (0 = no limit)
     trial_seconds: float = 60.0
-    # after the trials, rounds in which the baseline and the best trials are measured again in
-    # turns, each time a fresh trainer and window: the record compares their medians, not one
-    # window each (trials drift 20 % on a shared host; the best of 40 noisy windows is flattered)
+    # rounds after the trials in which the baseline and the confirm_top best trials are measured
+    # again in turns; the record compares their medians (0 = one window per trial)
     confirm_rounds: int = 3
-    # the best completed trials measured again beside the baseline
     confirm_top: int = 3
     # share of a new study's trials that first vary one knob of the baseline each (the rest: TPE)
     neighbor_share: float = 0.5

@@ -35,7 +35,7 @@ def main(url: str, study: str, trials: int, ready: Path, go: Path, out: Path) ->
                           edge_feat=rng.standard_normal((n, 8), dtype=np.float32))
     config = Config()
     for name, value in {"train.device": "cpu", "model.memory_dim": 8, "model.dim": 8, "model.time_dim": 8,
-                        "sampler.threads": 1}.items():
+                        "sampler.threads": 1, "tuner.confirm_rounds": 0}.items():  # one trainer per trial
         config.set(name, value)
     make, built = default_trainer("tgn", graph), []
 
