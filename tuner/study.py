@@ -5,8 +5,8 @@ attribute ``fastopt`` (model fingerprint, dataset signature, device, versions, t
 the baseline config as the study's first trial (so that the record compares the best config with
 the defaults measured in the same run), then the trials left to reach the total asked for, then
 :func:`confirm`: the baseline and the best trials measured again in interleaved rounds, whose
-medians the record compares (each worker that ran trials confirms once they reach the total; the
-last one's rounds are kept).
+medians the record compares (each worker that ran trials confirms when it stops; the last one's
+rounds are kept).
 Several workers (processes, machines) may run :func:`tune` on one study in an RDB storage at once:
 the worker that creates the study enqueues the baseline and the baseline's one-knob variations
 (:meth:`~fastopt.tuner.space.SearchSpace.neighbors`, ``tuner.neighbor_share`` of the trials;
