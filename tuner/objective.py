@@ -335,18 +335,17 @@ class StepObjective:
         trial.set_user_attr("peak_device_bytes", result.peak_device_bytes)
         return result.epoch_seconds
 
-    def remeasure(self, values: Dict[str, Any], deadline: Optional[float] = None) -> float:
+    def remeasure(self, values: Dict[str, Any]) -> float:
         """The epoch seconds of a finished trial's ``values`` measured again: a fresh trainer and
         window under the memory limit, no check against eager (the trial made it) and no pruning.
 
         Raises:
-            Exception: whatever building or training raises (out of memory, the memory limit,
-                ``TrialTimeout`` past ``deadline``).
+            Exception: whatever building or training raises (out of memory, the memory limit).
         """
         trainer = self.make_trainer(self.space.apply(self.config, values))
         try:
             with device_memory_limit(trainer.device, self.max_device_memory):
-                result = measure_window(trainer, self.window, deadline=deadline)
+                result = measure_window(trainer, self.window)
             self._check_memory(result)
             return result.epoch_seconds
         finally:

@@ -151,32 +151,29 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
     objective = StepObjective(space, config, make_trainer or default_trainer(model_name, graph), window,
                               max_device_memory, check)
     del model  # the space and the context hold what the study needs of it
-    interrupted = False
+    interrupted, tu = False, config.tuner
     if trials > done:
         bar = progress_bar(None, "fastopt tune", progress, total=trials - done, leave=True)
+        confirming = False
         try:
             with _frozen() as freeze:
                 # one collection per trial, once Optuna has dropped the trial
                 study.optimize(objective, n_trials=trials - done, timeout=timeout, gc_after_trial=False,
                                callbacks=[_release(objective, freeze), _progress(trials, say, bar, started),
                                           _stop_at(trials), _stop_before(timeout, say, started, reserve=lambda s:
-                                          confirmation_seconds(s, config.tuner.confirm_rounds,
-                                                               config.tuner.confirm_top))])
+                                          confirmation_seconds(s, tu.confirm_rounds, tu.confirm_top))])
+                bar.close()
+                confirming = True
+                confirm(study, objective, tu.confirm_rounds, tu.confirm_top, say,
+                        None if timeout is None else started + timeout)
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through fastopt tune: keep what finished
             interrupted = True
             release()
-            say("fastopt tune: interrupted; the trial that was running is marked failed and does "
-                "not count toward --trials (running the command again resumes the study)")
+            say("fastopt tune: interrupted in the confirmation; the record compares the trials' own windows"
+                if confirming else "fastopt tune: interrupted; the trial that was running is marked failed "
+                "and does not count toward --trials (running the command again resumes the study)")
         finally:
             bar.close()
-    if not interrupted and trials > done:
-        deadline = None if timeout is None else started + timeout
-        try:
-            confirm(study, objective, config.tuner.confirm_rounds, config.tuner.confirm_top, say, deadline)
-        except KeyboardInterrupt:
-            interrupted = True
-            release()
-            say("fastopt tune: interrupted in the confirmation; the record compares the trials' own windows")
     completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     return TuningRun(study, space, record_from_study(study) if completed else None, interrupted)
 

@@ -146,7 +146,7 @@ def test_the_baseline_and_the_best_trials_are_measured_again_in_turns(small_grap
     scripts = [[1.0, 1.0, 1.0], [3.0, 3.0, 0.1], [0.5, 0.6, 9.0]]  # by first appearance
     seen, order = {}, []
 
-    def remeasure(self, values, deadline=None):
+    def remeasure(self, values):
         key = json.dumps(values, sort_keys=True)
         if key not in seen:
             seen[key] = scripts[len(seen)]
@@ -172,7 +172,7 @@ def test_the_baseline_and_the_best_trials_are_measured_again_in_turns(small_grap
     assert any(line.startswith("fastopt tune: confirmed (median of 3 round(s)): the baseline 1.000 s/epoch")
                for line in lines)
 
-    def failing(self, values, deadline=None):  # x fails when measured again: dropped, with its reason
+    def failing(self, values):  # x fails when measured again: dropped, with its reason
         if json.dumps(values, sort_keys=True) == kx:
             raise torch.cuda.OutOfMemoryError("out of memory")
         return 1.0
@@ -185,6 +185,9 @@ def test_the_baseline_and_the_best_trials_are_measured_again_in_turns(small_grap
     # no round fits before the deadline: nothing stored, nothing returned
     assert study_module.confirm(run.study, None, 2, 2, said.append, deadline=0.0, clock=lambda: 1.0) == {}
     assert said[-1] == "fastopt tune: confirmation stopped after 0 round(s): --timeout"
+    for name, bad, limit in (("tuner.confirm_rounds", -1, ">= 0"), ("tuner.confirm_top", 0, ">= 1")):
+        with pytest.raises(ConfigError, match=f"{name} must be {limit} \\(got {bad}\\)"):
+            config.set(name, bad)
 
 
 def run_objective(run, graph, config):
