@@ -1,4 +1,4 @@
-# Included by sampler.pyx: the inline C it needs (pinning a thread to a CPU; ctz, prefetch and
+# Included by sampler.pyx: the inline C it needs (pinning a thread to a CPU and undoing it; ctz, prefetch and
 # popcount builtins; the popcount rank loop of the dedup, with a popcnt build picked at run time).
 
 cdef extern from *:
@@ -6,18 +6,37 @@ cdef extern from *:
     #if defined(__linux__)
     #include <sched.h>
     static __thread int fo_pinned_cpu = -1;
+    static cpu_set_t fo_home_set;  /* the CPUs the process may use, read at import */
+    static int fo_home_known = 0;
+    static int fo_pins_made = 0;   /* set once any thread of the process was pinned */
+    static void fo_read_home(void) {
+        fo_home_known = sched_getaffinity(0, sizeof(fo_home_set), &fo_home_set) == 0;
+    }
     /* Pin the calling thread to one CPU; a thread already pinned there makes no system call. */
     static int fo_pin_self(int cpu) {
         cpu_set_t set;
         if (fo_pinned_cpu == cpu) return 0;
+        if (!fo_home_known) return -1;  /* could not be undone */
         CPU_ZERO(&set);
         CPU_SET(cpu, &set);
         if (sched_setaffinity(0, sizeof(set), &set) != 0) return -1;
         fo_pinned_cpu = cpu;
+        __atomic_store_n(&fo_pins_made, 1, __ATOMIC_RELAXED);
         return 0;
     }
+    /* Give a thread this module pinned back every CPU of the process; others make no call. */
+    static int fo_unpin_self(void) {
+        if (fo_pinned_cpu < 0) return 0;
+        if (sched_setaffinity(0, sizeof(fo_home_set), &fo_home_set) != 0) return -1;
+        fo_pinned_cpu = -1;
+        return 0;
+    }
+    static int fo_any_pinned(void) { return __atomic_load_n(&fo_pins_made, __ATOMIC_RELAXED); }
     #else
+    static void fo_read_home(void) {}
     static int fo_pin_self(int cpu) { (void)cpu; return -1; }
+    static int fo_unpin_self(void) { return 0; }
+    static int fo_any_pinned(void) { return 0; }
     #endif
     #include <stdint.h>
     #define fo_ctz(x) __builtin_ctzll(x)
@@ -44,7 +63,10 @@ cdef extern from *:
     static void fo_rank_ids(FO_RANK_ARGS) { FO_RANK_LOOP }
     #endif
     """
+    void fo_read_home() noexcept nogil
     int fo_pin_self(int cpu) noexcept nogil
+    int fo_unpin_self() noexcept nogil
+    int fo_any_pinned() noexcept nogil
     int fo_popcount(uint64_t x) noexcept nogil
     int fo_ctz(uint64_t x) noexcept nogil
     void fo_prefetch(const void* p) noexcept nogil

@@ -60,6 +60,8 @@ OPENMP = HAVE_OPENMP  # whether this build runs its loops on OpenMP threads
 
 include "native.pxi"
 
+fo_read_home()  # the process's CPUs, which a pinned thread gets back
+
 
 cdef enum:
     PREFETCH = 8  # rows ahead whose first T-CSR access is prefetched
@@ -331,9 +333,14 @@ cdef class TemporalSampler:
         with self._lock:
             if self.pin_threads:
                 self._pin(r)
+            elif fo_any_pinned():
+                self._unpin()
             counter = self._batch if batch is None else int(batch)
             self._batch += 1
-            batch = self._sample(r, t, counter)
+            try:
+                batch = self._sample(r, t, counter)
+            finally:  # the caller lends itself to the loops only: its later threads inherit its CPU
+                fo_unpin_self()
         if batch is None:
             check_roots(roots, times, self._num_nodes)  # raises with the offending value
             raise SamplerError("roots or times are invalid")
@@ -341,7 +348,8 @@ cdef class TemporalSampler:
 
     # ------------------------------------------------------------------ internals
     cdef _pin(self, roots):
-        """Plan the thread placement on the first batch, then keep every thread on its CPU."""
+        """Plan the thread placement on the first batch, then keep every thread on its CPU (the
+        calling thread for the call only: :meth:`sample` unpins it)."""
         cdef int i, fails = 0, nth = self._nthreads
         cdef int* cpus
         if self.placement is None:
@@ -362,6 +370,14 @@ cdef class TemporalSampler:
             self._cpus = NULL
             self.placement.cpus = None
             self.placement.reason = "the OS refused to pin threads; left them unpinned"
+            self._unpin()
+
+    cdef _unpin(self):
+        """Give this sampler's loop threads every CPU of the process again: threads an earlier
+        pinned sampler left on one CPU (OpenMP keeps a calling thread's team from loop to loop)."""
+        cdef int i, nth = self._nthreads
+        for i in prange(nth, nogil=True, schedule="static", chunksize=1, num_threads=nth):
+            fo_unpin_self()
 
     cdef _sample(self, roots, times, uint64_t counter):
         """Every layer, then every dedup of one batch. Each layer's rows are sampled in one

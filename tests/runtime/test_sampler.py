@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -490,6 +493,35 @@ def test_pinned_sampler_gives_the_same_batches(small_graph):
     pinned = TemporalSampler(small_graph, [5, 5], "uniform", threads=2, pin_threads=True)
     assert_blocks_equal(pinned.sample(roots, times), plain)
     assert isinstance(pinned.placement, Placement) and pinned.placement.reason
+
+
+def _masks() -> dict:
+    """Every thread of this process: its CPU affinity."""
+    return {int(tid): os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task")}
+
+
+@pytest.mark.skipif(not OPENMP or not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="pinning needs OpenMP threads and two CPUs on Linux")
+def test_pinning_leaves_the_caller_and_later_samplers_every_cpu(small_graph):
+    """A pinned sampler pins its loop threads, not the thread that calls it: a thread the caller
+    starts later inherits its affinity (a tuning study's next trials ran on one CPU), and an
+    unpinned sampler called from the same thread gets its loop threads back on every CPU."""
+    roots, times = small_graph.src[500:1100], small_graph.ts[500:1100]
+    home = os.sched_getaffinity(0)
+    pinned = TemporalSampler(small_graph, [5, 5], "uniform", threads=2, pin_threads=True)
+    pinned.sample(roots, times)
+    if pinned.placement.cpus is None:
+        pytest.skip(pinned.placement.reason)
+    assert os.sched_getaffinity(0) == home
+    seen = []
+    child = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+    child.start()
+    child.join()
+    assert seen == [home]
+    held = {tid for tid, mask in _masks().items() if mask != home}
+    assert held and threading.get_native_id() not in held  # the loop's other thread stays pinned
+    TemporalSampler(small_graph, [5, 5], "uniform", threads=2).sample(roots, times)
+    assert all(_masks().get(tid, home) == home for tid in held)
 
 
 def test_usable_cpus_counts_the_affinity_mask_else_every_cpu(monkeypatch):
