@@ -267,9 +267,8 @@ class TunerConfig:
     steps_per_trial: int = 1000
     # training steps run before the timed ones in each trial (warm-up: compiles, captures, caches)
     warmup_steps: int = 5
-    # wall seconds a trial may take (build, check, warm-up and window); a trial past it is pruned
-    # with the reason, so that one config compiling or capturing for minutes cannot eat a
-    # study's time (0 = no limit)
+    # wall seconds a trial may take (build, check, warm-up and window; the baseline excepted); a
+    # trial past it is cut, even in a compile, and pruned with the reason (0 = no limit)
     trial_seconds: float = 60.0
     # rounds after the trials in which the baseline and the confirm_top best trials are measured
     # again in turns; the record compares their medians (0 = one window per trial)

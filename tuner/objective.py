@@ -39,8 +39,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
 import socket
 import statistics
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -53,8 +55,11 @@ from fastopt.config import Config
 from fastopt.errors import ConfigError, FastOptError
 from fastopt.tuner.space import SearchSpace
 
-__all__ = ["Measurement", "StepObjective", "TrialTimeout", "Window", "check_against_eager",
+__all__ = ["Measurement", "ROLE", "StepObjective", "TrialTimeout", "Window", "check_against_eager",
            "measure_window", "device_memory_limit", "release"]
+
+# trial user attribute marking the baseline trial ("baseline") and its one-knob variations
+ROLE = "role"
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,45 @@ def _past(deadline: Optional[float]) -> bool:
 def _timeout(window: Window, where: str) -> TrialTimeout:
     return TrialTimeout(f"the trial took more than {window.seconds:g} s ({where}); raise "
                         f"tuner.trial_seconds to let such configs finish")
+
+
+def _cut(where: str) -> TrialTimeout:
+    return TrialTimeout(f"the study's --timeout, less the time kept for the confirmation, ran out "
+                        f"({where}); pass a longer --timeout to let such configs finish")
+
+
+@contextlib.contextmanager
+def _alarm(deadline: Optional[float], late: Callable[[], TrialTimeout]) -> Iterator[None]:
+    """Raise ``late()`` in the block once ``time.perf_counter()`` passes ``deadline``, wherever
+    the main thread is: inside a kernel's compile too (its ``ptxas`` ran for over 100 s on the
+    H200, past every check between a trial's parts, until the study's process was killed);
+    ``subprocess.run`` kills the compiler it waits for. One SIGALRM, disarmed when the block
+    ends; nothing where signals cannot be caught (another thread, no ``setitimer``, SIGALRM
+    handled by someone else): the checks between steps remain."""
+    try:
+        usable = (deadline is not None and hasattr(signal, "setitimer")
+                  and threading.current_thread() is threading.main_thread()
+                  and signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, None))
+    except ValueError:
+        usable = False
+    if not usable:
+        yield
+        return
+    armed = [True]
+
+    def ring(signum, frame):
+        if armed[0]:  # never after the block: Optuna would see the error, not the trial
+            armed[0] = False
+            raise late()
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, max(deadline - time.perf_counter(), 1e-3))
+    try:
+        yield
+    finally:
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @dataclass
@@ -145,7 +189,8 @@ class _Marks:
 
 def measure_window(trainer, window: Window,
                    checkpoint: Optional[Callable[[int, float], None]] = None,
-                   deadline: Optional[float] = None) -> Measurement:
+                   deadline: Optional[float] = None,
+                   late: Optional[Callable[[str], TrialTimeout]] = None) -> Measurement:
     """Run ``window.warmup`` then ``window.timed`` training steps of ``trainer``'s first epoch and
     time them (fewer timed steps when the epoch is shorter; never its last batch where that is
     smaller than the others).
@@ -159,6 +204,8 @@ def measure_window(trainer, window: Window,
             it may raise (:class:`optuna.TrialPruned`) to stop the window. On CUDA the step after
             it is left out: it holds the synchronize that reading the events needed.
         deadline: ``time.perf_counter()`` value after which the next step raises.
+        late: the error a step past ``deadline`` raises, given where the window was (default:
+            the trial's time limit, ``window.seconds``).
 
     Raises:
         ConfigError: the training split has no batch left to time after the warm-up.
@@ -185,8 +232,9 @@ def measure_window(trainer, window: Window,
     with contextlib.closing(trainer.train_steps(epoch=0)) as losses:
         for i, _loss in enumerate(losses):
             if _past(deadline):
-                raise _timeout(window, f"in its warm-up, step {i + 1}" if i + 1 < window.warmup
-                               else f"after {i + 1 - window.warmup} timed steps")
+                raise (late or (lambda where: _timeout(window, where)))(
+                    f"in its warm-up, step {i + 1}" if i + 1 < window.warmup
+                    else f"after {i + 1 - window.warmup} timed steps")
             if i + 1 < window.warmup:
                 continue
             marks.mark()  # the last warm-up step's mark starts the timing
@@ -269,6 +317,12 @@ class StepObjective:
             pruned. Ignored on the CPU.
         check: called with each trial's trainer before its window (:func:`check_against_eager`);
             a trial whose check raises is pruned with the reason. None: no check.
+        cutoff: returns the ``time.perf_counter()`` value no trial may run past (the study's
+            ``--timeout`` less the confirmation's time); None: none.
+
+    A trial runs at most ``window.seconds`` (the baseline, which the record compares with,
+    excepted) and never past the cutoff: past either it is pruned with :class:`TrialTimeout`,
+    even in the middle of a kernel's compile (:func:`_alarm`).
 
     The trial's user attributes: ``worker`` (``host:pid`` of the process that ran it),
     ``values`` (every value set, fixed ones included), ``verified`` (what the check returned),
@@ -282,9 +336,11 @@ class StepObjective:
 
     def __init__(self, space: SearchSpace, config: Config, make_trainer: Callable[[Config], Any],
                  window: Window = Window(), max_device_memory: Optional[int] = None,
-                 check: Optional[Callable[[Any], Optional[float]]] = None) -> None:
+                 check: Optional[Callable[[Any], Optional[float]]] = None,
+                 cutoff: Optional[Callable[[], float]] = None) -> None:
         self.space, self.config, self.make_trainer = space, config, make_trainer
         self.window, self.max_device_memory, self.check = window, max_device_memory, check
+        self.cutoff = cutoff
         self._trainer: Callable[[], Any] = lambda: None  # the last trial's, by weak reference
 
     def trainer_alive(self) -> bool:
@@ -298,23 +354,26 @@ class StepObjective:
         trainer, self._trainer = None, lambda: None
         phases: Dict[str, float] = {}  # wall seconds per part of the trial: where its time goes
         clock = time.perf_counter()
-        deadline = clock + self.window.seconds if self.window.seconds else None
+        deadline, late = self._deadline(trial, clock)
+        part = ["building it"]  # where the trial is, for a timeout's message
         try:
-            config = self.space.apply(self.config, values)
-            trainer = self.make_trainer(config)
-            phases["build"], clock = time.perf_counter() - clock, time.perf_counter()
-            try:
-                self._trainer = weakref.ref(trainer)
-            except TypeError:  # not weakly referable: counted as alive
-                self._trainer = lambda: True
-            with device_memory_limit(trainer.device, self.max_device_memory):
-                if self.check is not None:
-                    trial.set_user_attr("verified", self.check(trainer))
-                    phases["check"], clock = time.perf_counter() - clock, time.perf_counter()
-                    if _past(deadline):
-                        raise _timeout(self.window, "building and checking it")
-                result = measure_window(trainer, self.window, lambda step, value: _prune_if_slow(trial, step, value),
-                                        deadline)
+            with _alarm(deadline, lambda: late(part[0])):
+                config = self.space.apply(self.config, values)
+                trainer = self.make_trainer(config)
+                phases["build"], clock, part[0] = time.perf_counter() - clock, time.perf_counter(), "checking it"
+                try:
+                    self._trainer = weakref.ref(trainer)
+                except TypeError:  # not weakly referable: counted as alive
+                    self._trainer = lambda: True
+                with device_memory_limit(trainer.device, self.max_device_memory):
+                    if self.check is not None:
+                        trial.set_user_attr("verified", self.check(trainer))
+                        phases["check"], clock = time.perf_counter() - clock, time.perf_counter()
+                        if _past(deadline):
+                            raise late("building and checking it")
+                    part[0] = "in its warm-up or window"
+                    result = measure_window(trainer, self.window,
+                                            lambda step, value: _prune_if_slow(trial, step, value), deadline, late)
             phases["warmup"] = result.warmup_seconds
             phases["window"] = time.perf_counter() - clock - result.warmup_seconds
             self._check_memory(result)
@@ -334,6 +393,16 @@ class StepObjective:
         trial.set_user_attr("timing", result.timing)
         trial.set_user_attr("peak_device_bytes", result.peak_device_bytes)
         return result.epoch_seconds
+
+    def _deadline(self, trial: optuna.Trial, now: float):
+        """``(deadline, late)``: the ``time.perf_counter()`` value the trial must end by (None:
+        none), the earlier of its own limit and the cutoff, and the error for a trial past it."""
+        own = (now + self.window.seconds if self.window.seconds and trial.user_attrs.get(ROLE) != "baseline"
+               else None)
+        cut = self.cutoff() if self.cutoff is not None else None
+        if cut is not None and (own is None or cut < own):
+            return cut, _cut
+        return own, lambda where: _timeout(self.window, where)
 
     def remeasure(self, values: Dict[str, Any]) -> float:
         """The epoch seconds of a finished trial's ``values`` measured again: a fresh trainer and

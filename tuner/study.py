@@ -29,8 +29,8 @@ import optuna
 import torch
 
 from fastopt.config import Config
-from fastopt.tuner.objective import (StepObjective, Window, check_against_eager, failure_reason, release,
-                                     values_line)
+from fastopt.tuner.objective import (ROLE, StepObjective, Window, check_against_eager, failure_reason,
+                                     release, values_line)
 from fastopt.tuner.records import TuningRecord, dataset_signature, device_identity, library_versions, now
 from fastopt.tuner.space import SearchSpace, build_space
 from fastopt.tuner.storage import StudyError, open_study
@@ -39,8 +39,6 @@ __all__ = ["TuningRun", "confirm", "export_record", "record_from_study", "tune"]
 
 # study user attribute holding what the study tunes
 CONTEXT = "fastopt"
-# trial user attribute marking the baseline trial and its one-knob variations
-ROLE = "role"
 # trial user attribute of a variation: the knob it changes, "name=value"
 CHANGED = "changed"
 # fields of the context that must agree for a study to be resumed
@@ -148,10 +146,14 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
         say(f"fastopt tune: resuming study {name!r}: {done} trial(s) finished")
     # a trial whose optimized model disagrees with eager is pruned before it is timed
     check = check_against_eager(lambda cfg: build_model(model_name, graph, cfg))
-    objective = StepObjective(space, config, make_trainer or default_trainer(model_name, graph), window,
-                              max_device_memory, check)
-    del model  # the space and the context hold what the study needs of it
     interrupted, tu = False, config.tuner
+    cutoff = None
+    if timeout is not None:  # no trial runs into the time kept for the confirmation
+        end = time.perf_counter() + started + timeout - time.monotonic()
+        cutoff = lambda: end - confirmation_seconds(study, tu.confirm_rounds, tu.confirm_top)  # noqa: E731
+    objective = StepObjective(space, config, make_trainer or default_trainer(model_name, graph), window,
+                              max_device_memory, check, cutoff)
+    del model  # the space and the context hold what the study needs of it
     if trials > done:
         bar = progress_bar(None, "fastopt tune", progress, total=trials - done, leave=True)
         confirming = False

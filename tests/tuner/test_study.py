@@ -6,7 +6,11 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import os
+import signal
 import statistics
+import subprocess
+import sys
 import time
 import weakref
 
@@ -111,6 +115,62 @@ def test_a_trial_past_its_time_limit_is_pruned_and_the_study_goes_on(small_graph
     assert any("pruned: TrialTimeout" in line for line in lines)
     with pytest.raises(ConfigError, match="tuner.trial_seconds"):
         config.set("tuner.trial_seconds", -1)
+
+
+def _blocking(pid_file) -> None:
+    """Wait a minute for a child process (its pid written to ``pid_file``), as a kernel's compile
+    waits for ptxas."""
+    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _gone(pid_file) -> bool:
+    try:
+        os.kill(int(pid_file.read_text()), 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_trial_is_cut_inside_a_blocking_call_but_the_baseline_is_not(small_graph, config, tmp_path,
+                                                                       one_thread):
+    """tuner.trial_seconds ends a trial wherever it is, a compiler's process included (killed
+    with it); the baseline, which the record compares with, may take longer."""
+    config.set("tuner.confirm_rounds", 0)
+    make, calls = default_trainer("tgn", small_graph), []
+
+    def factory(cfg):
+        calls.append(cfg)
+        if len(calls) == 1:
+            time.sleep(2.5)  # the baseline: past the limit, not cut
+        else:
+            _blocking(tmp_path / "child.pid")
+        return make(cfg)
+
+    run = tune(small_graph, "tgn", config, trials=2, storage=str(tmp_path / "cut.db"), study_name="cut",
+               window=Window(1, 3, seconds=2), say=lambda line: None, make_trainer=factory)
+    first, second = run.study.trials
+    assert first.state == optuna.trial.TrialState.COMPLETE
+    assert second.state == optuna.trial.TrialState.PRUNED
+    assert second.user_attrs["failure"].startswith("TrialTimeout: the trial took more than 2 s (building it)")
+    assert _gone(tmp_path / "child.pid")
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+
+
+def test_the_studys_cutoff_ends_a_trial_in_its_middle(small_graph, config, tmp_path, one_thread):
+    """A trial that would run into the time --timeout keeps for the confirmation is cut there."""
+    from fastopt.models import build_model
+    from fastopt.tuner.space import build_space
+
+    space = build_space(build_model("tgn", small_graph, config), small_graph, config, torch.device("cpu"))
+    study = optuna.create_study()
+    cut = objective.StepObjective(space, config, lambda cfg: _blocking(tmp_path / "child.pid"), WINDOW,
+                                  cutoff=lambda: time.perf_counter() + 1.0)
+    study.optimize(cut, n_trials=1)
+    (trial,) = study.trials
+    assert trial.state == optuna.trial.TrialState.PRUNED and _gone(tmp_path / "child.pid")
+    assert trial.user_attrs["failure"].startswith("TrialTimeout: the study's --timeout, less the time kept "
+                                                  "for the confirmation, ran out (building it)")
 
 
 def test_three_trials_with_a_failing_config_pruned(small_graph, config, tmp_path, one_thread):
@@ -258,10 +318,10 @@ def test_one_collection_per_trial_and_each_trainer_freed_before_the_next(small_g
 
     real_measure = objective.measure_window
 
-    def measure(trainer, window, checkpoint=None, deadline=None):
+    def measure(trainer, window, checkpoint=None, deadline=None, late=None):
         if len(trainers) == 2:  # a failure whose traceback holds the trainer until Optuna drops it
             raise RuntimeError("the window failed")
-        return real_measure(trainer, window, checkpoint, deadline)
+        return real_measure(trainer, window, checkpoint, deadline, late)
 
     monkeypatch.setattr(objective, "measure_window", measure)
     real_collect = gc.collect
