@@ -154,16 +154,19 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
     objective = StepObjective(space, config, make_trainer or default_trainer(model_name, graph), window,
                               max_device_memory, check, cutoff)
     del model  # the space and the context hold what the study needs of it
-    if trials > done:
-        bar = progress_bar(None, "fastopt tune", progress, total=trials - done, leave=True)
+    # a study whose trials are all done but not confirmed (stopped in its confirmation, or run
+    # with confirm_rounds 0) is confirmed by the next call
+    if trials > done or (tu.confirm_rounds and CONFIRMED not in study.user_attrs):
+        bar = progress_bar(None, "fastopt tune", progress and trials > done, total=max(trials - done, 0),
+                           leave=True)
         confirming = False
         try:
             with _frozen() as freeze:
-                # one collection per trial, once Optuna has dropped the trial
-                study.optimize(objective, n_trials=trials - done, timeout=timeout, gc_after_trial=False,
-                               callbacks=[_release(objective, freeze), _progress(trials, say, bar, started),
-                                          _stop_at(trials), _stop_before(timeout, say, started, reserve=lambda s:
-                                          confirmation_seconds(s, tu.confirm_rounds, tu.confirm_top))])
+                if trials > done:  # one collection per trial, once Optuna has dropped the trial
+                    study.optimize(objective, n_trials=trials - done, timeout=timeout, gc_after_trial=False,
+                                   callbacks=[_release(objective, freeze), _progress(trials, say, bar, started),
+                                              _stop_at(trials), _stop_before(timeout, say, started, reserve=lambda s:
+                                              confirmation_seconds(s, tu.confirm_rounds, tu.confirm_top))])
                 bar.close()
                 confirming = True
                 confirm(study, objective, tu.confirm_rounds, tu.confirm_top, say,

@@ -271,9 +271,27 @@ def test_a_stopped_study_resumes_from_sqlite(small_graph, config, tmp_path, one_
     assert states.count(optuna.trial.TrialState.COMPLETE) == 3  # the failed trial is run again
     assert sum(t.user_attrs.get("role") == "baseline" for t in run.study.trials) == 1
     assert "resuming study 'r': 1 trial(s) finished" in lines[1]
+    assert study_module.CONFIRMED in run.study.user_attrs
     again = tune(small_graph, "tgn", config, trials=3, storage=db, study_name="r", window=WINDOW,
                  say=lambda line: None)
     assert len(again.study.trials) == len(run.study.trials)  # nothing left to run
+
+
+def test_a_study_with_its_trials_done_but_not_confirmed_is_confirmed_by_the_next_call(
+        small_graph, config, tmp_path, one_thread):
+    db = str(tmp_path / "late.db")
+    config.set("tuner.confirm_rounds", 0)
+    first = tune(small_graph, "tgn", config, trials=2, storage=db, study_name="late", window=WINDOW,
+                 say=lambda line: None)
+    assert study_module.CONFIRMED not in first.study.user_attrs
+    config.set("tuner.confirm_rounds", 1)
+    lines = []
+    again = tune(small_graph, "tgn", config, trials=2, storage=db, study_name="late", window=WINDOW,
+                 say=lines.append)
+    assert len(again.study.trials) == 2  # no trial run, the two measured again
+    assert set(again.study.user_attrs[study_module.CONFIRMED]) == {"0", "1"}
+    assert any(line.startswith("fastopt tune: confirming the baseline, trial 2") for line in lines)
+    assert again.record.measurement["confirm_rounds"] == 1
 
 
 def test_a_study_of_another_problem_is_refused(small_graph, config, tmp_path, one_thread):
