@@ -85,12 +85,13 @@ if [[ " $STEPS " == *" tune "* ]]; then
     [ -n "${TUNE_DB:-}" ] && cp "$TUNE_DB" "$OUT/tune.db"
     for d in ${TUNE_DATASETS:-wikipedia}; do
         for m in ${TUNE_MODELS:-tgn tgat}; do
-            # a trial can run past tuner.trial_seconds (60 s) by its last phase: the study's own
-            # --timeout ends 90 s before this step's; a study cut by the step's timeout is exported
-            # from its storage all the same (fastopt export reads unfinished studies)
+            # the study's own --timeout (which cuts a running trial where the confirmation's time
+            # begins) ends 30 s before this step's, for the start and the record; a study cut by
+            # the step's timeout is exported from its storage all the same (fastopt export reads
+            # unfinished studies)
             study="$m-$(basename "$d" | cut -d. -f1)"
             timeout "${TUNE_S:-900}" fastopt tune --dataset "$d" --model $m --batch-size 600 --edge-dim 172 \
-                --trials "${TRIALS:-40}" --timeout "$(( ${TUNE_S:-900} - 90 ))" --storage "sqlite:///$OUT/tune.db" \
+                --trials "${TRIALS:-40}" --timeout "$(( ${TUNE_S:-900} - 30 ))" --storage "sqlite:///$OUT/tune.db" \
                 --study-name "$study" --out "$OUT/records" ${MAX_MEMORY_GB:+--max-device-memory "$MAX_MEMORY_GB"} \
                 --no-progress >> "$OUT/tune.log" 2>&1
             timeout 60 fastopt export --storage "sqlite:///$OUT/tune.db" --study-name "$study" --out "$OUT/records" \
@@ -115,7 +116,7 @@ PY
         )
         echo "limited study: $LIMIT_STUDY under ${gb} GB" | tee -a "$OUT/tune.log"
         timeout "${LIMIT_S:-200}" fastopt tune --dataset "${LIMIT_STUDY#*-}" --model "${LIMIT_STUDY%%-*}" --batch-size 600 \
-            --edge-dim 172 --trials "${LIMIT_TRIALS:-16}" --timeout "$(( ${LIMIT_S:-200} - 60 ))" \
+            --edge-dim 172 --trials "${LIMIT_TRIALS:-16}" --timeout "$(( ${LIMIT_S:-200} - 30 ))" \
             --storage "sqlite:///$OUT/tune.db" --study-name "$LIMIT_STUDY-limited" --out "$OUT/records-limited" \
             --max-device-memory "$gb" --no-progress >> "$OUT/tune.log" 2>&1
         python3 - "$OUT/tune.db" "$LIMIT_STUDY" >> "$OUT/tune.log" 2>&1 <<'PY'
