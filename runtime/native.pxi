@@ -8,7 +8,9 @@ cdef extern from *:
     static __thread int fo_pinned_cpu = -1;
     static cpu_set_t fo_home_set;  /* the CPUs the process may use, read at import */
     static int fo_home_known = 0;
-    static int fo_pins_made = 0;   /* set once any thread of the process was pinned */
+    /* the largest loop team this thread started that pinned its threads (0: none since the last
+       unpinning): OpenMP keeps a calling thread's team for its later loops */
+    static __thread int fo_team_pinned = 0;
     static void fo_read_home(void) {
         fo_home_known = sched_getaffinity(0, sizeof(fo_home_set), &fo_home_set) == 0;
     }
@@ -21,7 +23,6 @@ cdef extern from *:
         CPU_SET(cpu, &set);
         if (sched_setaffinity(0, sizeof(set), &set) != 0) return -1;
         fo_pinned_cpu = cpu;
-        __atomic_store_n(&fo_pins_made, 1, __ATOMIC_RELAXED);
         return 0;
     }
     /* Give a thread this module pinned back every CPU of the process; others make no call. */
@@ -31,12 +32,11 @@ cdef extern from *:
         fo_pinned_cpu = -1;
         return 0;
     }
-    static int fo_any_pinned(void) { return __atomic_load_n(&fo_pins_made, __ATOMIC_RELAXED); }
     #else
     static void fo_read_home(void) {}
     static int fo_pin_self(int cpu) { (void)cpu; return -1; }
     static int fo_unpin_self(void) { return 0; }
-    static int fo_any_pinned(void) { return 0; }
+    static __thread int fo_team_pinned = 0;
     #endif
     #include <stdint.h>
     #define fo_ctz(x) __builtin_ctzll(x)
@@ -66,9 +66,12 @@ cdef extern from *:
     void fo_read_home() noexcept nogil
     int fo_pin_self(int cpu) noexcept nogil
     int fo_unpin_self() noexcept nogil
-    int fo_any_pinned() noexcept nogil
+    int fo_team_pinned
     int fo_popcount(uint64_t x) noexcept nogil
     int fo_ctz(uint64_t x) noexcept nogil
     void fo_prefetch(const void* p) noexcept nogil
     void fo_rank_ids(const int64_t* ids, int64_t n, int64_t off, const uint64_t* bits0,
                      const int64_t* base, int64_t* inv) noexcept nogil
+
+
+fo_read_home()  # the process's CPUs, which a pinned thread gets back

@@ -106,7 +106,7 @@ cdef class TemporalSampler:
     cdef bint _is_node_task(self, int i)
     cdef tuple _merge(self, block, next_hint, str kind)
     cdef _pin(self, roots)
-    cdef _unpin(self)
+    cdef _unpin(self, int nth)
     cdef _sample(self, roots, times, uint64_t counter)
     cdef tuple _plan_dedup(self, roots, list blocks, Task* tasks, Seg* segs)
     cdef _attach_dedup(self, batch, Task* tasks, tuple outputs)

@@ -60,8 +60,6 @@ OPENMP = HAVE_OPENMP  # whether this build runs its loops on OpenMP threads
 
 include "native.pxi"
 
-fo_read_home()  # the process's CPUs, which a pinned thread gets back
-
 
 cdef enum:
     PREFETCH = 8  # rows ahead whose first T-CSR access is prefetched
@@ -333,14 +331,14 @@ cdef class TemporalSampler:
         with self._lock:
             if self.pin_threads:
                 self._pin(r)
-            elif fo_any_pinned():
-                self._unpin()
+            elif fo_team_pinned:
+                self._unpin(fo_team_pinned)
             counter = self._batch if batch is None else int(batch)
             self._batch += 1
             try:
                 batch = self._sample(r, t, counter)
-            finally:  # the caller lends itself to the loops only: its later threads inherit its CPU
-                fo_unpin_self()
+            finally:
+                fo_unpin_self()  # the caller lends itself to the loops only: its later threads inherit its CPU
         if batch is None:
             check_roots(roots, times, self._num_nodes)  # raises with the offending value
             raise SamplerError("roots or times are invalid")
@@ -348,8 +346,8 @@ cdef class TemporalSampler:
 
     # ------------------------------------------------------------------ internals
     cdef _pin(self, roots):
-        """Plan the thread placement on the first batch, then keep every thread on its CPU (the
-        calling thread for the call only: :meth:`sample` unpins it)."""
+        """Plan the placement on the first batch, then pin every thread (the caller until sample() returns)."""
+        global fo_team_pinned
         cdef int i, fails = 0, nth = self._nthreads
         cdef int* cpus
         if self.placement is None:
@@ -365,19 +363,22 @@ cdef class TemporalSampler:
         cpus = self._cpus
         for i in prange(nth, nogil=True, schedule="static", chunksize=1, num_threads=nth):
             fails += fo_pin_self(cpus[threadid()]) != 0
+        fo_team_pinned = max(fo_team_pinned, nth)
         if fails:
             free(self._cpus)
             self._cpus = NULL
             self.placement.cpus = None
             self.placement.reason = "the OS refused to pin threads; left them unpinned"
-            self._unpin()
+            self._unpin(fo_team_pinned)
 
-    cdef _unpin(self):
-        """Give this sampler's loop threads every CPU of the process again: threads an earlier
-        pinned sampler left on one CPU (OpenMP keeps a calling thread's team from loop to loop)."""
-        cdef int i, nth = self._nthreads
+    cdef _unpin(self, int nth):
+        """Give the calling thread's ``nth`` loop threads, which a pinned sampler left on one CPU
+        each (OpenMP keeps a caller's team from loop to loop), every CPU again: once per team."""
+        global fo_team_pinned
+        cdef int i
         for i in prange(nth, nogil=True, schedule="static", chunksize=1, num_threads=nth):
             fo_unpin_self()
+        fo_team_pinned = 0
 
     cdef _sample(self, roots, times, uint64_t counter):
         """Every layer, then every dedup of one batch. Each layer's rows are sampled in one

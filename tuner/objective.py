@@ -232,9 +232,9 @@ def measure_window(trainer, window: Window,
     with contextlib.closing(trainer.train_steps(epoch=0)) as losses:
         for i, _loss in enumerate(losses):
             if _past(deadline):
-                raise (late or (lambda where: _timeout(window, where)))(
-                    f"in its warm-up, step {i + 1}" if i + 1 < window.warmup
-                    else f"after {i + 1 - window.warmup} timed steps")
+                where = (f"in its warm-up, step {i + 1}" if i + 1 < window.warmup
+                         else f"after {i + 1 - window.warmup} timed steps")
+                raise late(where) if late is not None else _timeout(window, where)
             if i + 1 < window.warmup:
                 continue
             marks.mark()  # the last warm-up step's mark starts the timing
