@@ -261,12 +261,14 @@ def device_memory_limit(device: torch.device, limit_bytes: Optional[int]) -> Ite
     if limit_bytes is None or device.type != "cuda":
         yield
         return
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), device)
+    # the fraction is set per device index: a bare "cuda" (a trainer's default) is the current one
+    index = torch.cuda.current_device() if device.index is None else device.index
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), index)
     try:
         yield
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
 
 
 def check_against_eager(make_eager: Callable[[Config], Any]) -> Callable[[Any], Optional[float]]:
@@ -291,6 +293,8 @@ def check_against_eager(make_eager: Callable[[Config], Any]) -> Callable[[Any], 
         inputs = trainer.build_inputs(batch.roots, batch.times)
         try:
             return verify_against_eager(trainer.model, eager, inputs)
+        except TrialTimeout:  # cut while checking: a slow config, not a wrong one
+            raise
         except FastOptError as exc:
             raise FastOptError(f"the trial's outputs or gradients disagree with eager ({exc}); its "
                                f"values are never chosen") from None

@@ -192,8 +192,7 @@ def confirm(study: optuna.Study, objective: StepObjective, rounds: int, top: int
     their medians (:func:`record_from_study`). A single window per trial drifts with the host
     (20 % within one study on the H200) and the best of many noisy windows is flattered; the
     medians of interleaved rounds are neither. Only whole rounds count: a round that would end
-    after ``deadline`` (a ``clock`` reading, at the pace of the longest measurement so far) is not
-    started. A candidate that fails when measured again (out of memory, the memory limit) is
+    after ``deadline`` (a ``clock`` reading, at the pace of the round before it) is not started. A candidate that fails when measured again (out of memory, the memory limit) is
     dropped with its reason. Returns the stored seconds by trial number (empty: nothing to
     compare, or no round fitted).
     """
@@ -206,16 +205,15 @@ def confirm(study: optuna.Study, objective: StepObjective, rounds: int, top: int
     say(f"fastopt tune: confirming {', '.join(_trial_name(t) for t in candidates)}: {rounds} "
         f"round(s) in turns")
     seconds: Dict[int, List[float]] = {t.number: [] for t in candidates}
-    longest = 0.0
+    last = 0.0  # the last round's seconds: the pace of the next
     for r in range(rounds):
-        if deadline is not None and clock() + longest * len(candidates) > deadline:
+        if deadline is not None and clock() + last > deadline:
             say(f"fastopt tune: confirmation stopped after {r} round(s): --timeout")
             break
-        shift = r % len(candidates)
+        shift, began = r % len(candidates), clock()
         for trial in candidates[shift:] + candidates[:shift]:
             if trial.number not in seconds:
                 continue
-            began = clock()
             try:
                 seconds[trial.number].append(objective.remeasure(trial.user_attrs["values"]))
             except Exception as exc:  # noqa: BLE001  (a candidate that fails now is dropped)
@@ -223,7 +221,7 @@ def confirm(study: optuna.Study, objective: StepObjective, rounds: int, top: int
                 del seconds[trial.number]
             finally:
                 release()
-            longest = max(longest, clock() - began)
+        last = clock() - began
     rounds_done = min((len(v) for v in seconds.values()), default=0)
     confirmed = {n: v[:rounds_done] for n, v in seconds.items()} if rounds_done and len(seconds) > 1 else {}
     if confirmed:
@@ -236,10 +234,12 @@ def confirm(study: optuna.Study, objective: StepObjective, rounds: int, top: int
 
 def confirmation_seconds(study: optuna.Study, rounds: int, top: int) -> float:
     """About how long :func:`confirm` will take: ``rounds`` times the baseline and ``top`` others,
-    each measurement as long as a completed trial's build, warm-up and window (the median;
-    its check against eager and its compiles are not repeated)."""
-    runs = [sum(t.user_attrs.get("phases", {}).get(p, 0.0) for p in ("build", "warmup", "window"))
-            for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    each measurement as long as a completed trial less its check against eager (the median; the
+    check is not repeated, while the trainer's build, its compiles and graph captures, warm-up,
+    window and teardown are). The phases alone (build, warm-up, window) leave the teardown and the
+    trainer's setup between them out: on the H200 they kept 5 s where one of three rounds fitted."""
+    runs = [t.duration.total_seconds() - t.user_attrs.get("phases", {}).get("check", 0.0)
+            for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and t.duration is not None]
     if rounds < 1 or len(runs) < 2:
         return 0.0
     return rounds * min(top + 1, len(runs)) * statistics.median(runs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import optuna
 import pytest
+import torch
 
 import fastopt.codegen
 import fastopt.tuner.study as study_module
@@ -94,3 +95,51 @@ def test_a_model_that_runs_eager_is_not_checked(small_graph, config, tmp_path, o
     assert not calls  # nothing fused: the knob changes nothing, and nothing is compared
     assert all(t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs["verified"] is None
                for t in run.study.trials)
+
+
+def test_a_trial_cut_while_checking_is_slow_not_wrong(small_graph, config, one_thread, monkeypatch):
+    """A check against eager that outlasts the trial's limit (its kernels' compiles, on the H200)
+    is reported as a timeout, not as a disagreement with eager."""
+    import time
+
+    import fastopt
+    from fastopt.models import build_model
+    from fastopt.tuner.objective import StepObjective, check_against_eager
+    from fastopt.tuner.space import build_space
+    from fastopt.tuner.study import default_trainer
+
+    monkeypatch.setattr(fastopt, "verify_against_eager", lambda *args: time.sleep(30))
+    space = build_space(build_model("tgn", small_graph, config), small_graph, config, torch.device("cpu"))
+    check = check_against_eager(lambda cfg: build_model("tgn", small_graph, cfg))
+    trainer = default_trainer("tgn", small_graph)(config)  # built ahead: the limit falls in the check
+    slow = StepObjective(space, config, lambda cfg: trainer, Window(1, 2, seconds=3), check=check)
+    study = optuna.create_study()
+    study.optimize(slow, n_trials=1)
+    (trial,) = study.trials
+    assert trial.state == optuna.trial.TrialState.PRUNED
+    assert trial.user_attrs["failure"].startswith("TrialTimeout: the trial took more than 3 s (checking it)")
+    assert "disagree" not in trial.user_attrs["failure"]
+
+
+def test_a_memory_limit_on_a_device_without_an_index_is_set_on_the_current_one(monkeypatch):
+    """``cuda`` without an index (a trainer's default device) limits the current device: PyTorch's
+    per-process fraction takes an index only."""
+    from torch._utils import _get_device_index
+
+    from fastopt.tuner.objective import device_memory_limit
+
+    class Props:
+        total_memory = 100 * 2**30
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: calls.append(("props", d)) or Props())
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",  # the real one's argument check
+                        lambda f, d=None: calls.append((f, _get_device_index(d, optional=False))))
+    for device, index in ((torch.device("cuda"), 3), (torch.device("cuda", 1), 1)):
+        calls.clear()
+        with device_memory_limit(device, 25 * 2**30):
+            assert calls == [("props", index), (0.25, index)]
+        assert calls[-1] == (1.0, index)  # given back on leaving
+    with device_memory_limit(torch.device("cpu"), 2**30):
+        assert calls[-1] == (1.0, 1)  # nothing on the CPU

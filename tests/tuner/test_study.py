@@ -245,6 +245,18 @@ def test_the_baseline_and_the_best_trials_are_measured_again_in_turns(small_grap
     # no round fits before the deadline: nothing stored, nothing returned
     assert study_module.confirm(run.study, None, 2, 2, said.append, deadline=0.0, clock=lambda: 1.0) == {}
     assert said[-1] == "fastopt tune: confirmation stopped after 0 round(s): --timeout"
+    # a round starts when one as long as the last fits: 6 s rounds (the baseline 4 s, the others
+    # 1 s), so two fit in 14 s (a pace of the longest measurement per candidate, 12 s, fitted one)
+    now = [0.0]
+
+    class Paced:
+        def remeasure(self, values):
+            now[0] += 4.0 if json.dumps(values, sort_keys=True) == b else 1.0
+            return 1.0
+
+    confirmed = study_module.confirm(run.study, Paced(), 3, 2, said.append, deadline=14.0, clock=lambda: now[0])
+    assert [len(v) for v in confirmed.values()] == [2, 2, 2] and now[0] == 12.0
+    assert said[-2] == "fastopt tune: confirmation stopped after 2 round(s): --timeout"
     for name, bad, limit in (("tuner.confirm_rounds", -1, ">= 0"), ("tuner.confirm_top", 0, ">= 1")):
         with pytest.raises(ConfigError, match=f"{name} must be {limit} \\(got {bad}\\)"):
             config.set(name, bad)
@@ -434,17 +446,20 @@ def test_the_confirmations_time_is_rounds_times_candidates_times_a_median_measur
 
     from fastopt.tuner.study import confirmation_seconds
 
-    class Trial:
-        def __init__(self, state, **phases):
+    import datetime
+
+    class Trial:  # phases that leave part of the trial's time out (setup, teardown, storage)
+        def __init__(self, state, seconds, **phases):
             self.state, self.user_attrs = state, {"phases": phases}
+            self.duration = datetime.timedelta(seconds=seconds)
 
     class Study:
-        trials = [Trial(TrialState.COMPLETE, build=1.0, check=50.0, warmup=20.0, window=1.0),  # compiles
-                  Trial(TrialState.COMPLETE, build=0.5, check=0.1, warmup=0.2, window=0.3),
-                  Trial(TrialState.COMPLETE, build=0.5, check=0.1, warmup=0.5, window=1.0),
-                  Trial(TrialState.PRUNED, build=0.1, unfinished=90.0)]
+        trials = [Trial(TrialState.COMPLETE, 72.0, build=1.0, check=50.0, warmup=15.0, window=1.0),  # compiles
+                  Trial(TrialState.COMPLETE, 1.1, build=0.3, check=0.1, warmup=0.2, window=0.3),
+                  Trial(TrialState.COMPLETE, 2.1, build=0.5, check=0.1, warmup=0.5, window=0.5),
+                  Trial(TrialState.PRUNED, 90.1, build=0.1, unfinished=90.0)]
 
-    # the median of 22.0, 1.0 and 2.0 s; the baseline and two others (three completed)
+    # each less its check: the median of 22.0, 1.0 and 2.0 s; the baseline and two others (three completed)
     assert confirmation_seconds(Study(), rounds=3, top=3) == 3 * 3 * 2.0
     assert confirmation_seconds(Study(), rounds=0, top=3) == 0.0
     Study.trials = Study.trials[:1]
