@@ -188,7 +188,8 @@ def run_bench(graph, model_name: str, base: Config, contenders: Sequence[str] = 
 
     ``interleave``: every contender is built and verified first, then their epochs take turns
     (epoch 0 of each, epoch 1 of each, ...), so that a drift in the machine's speed during the
-    run reaches each alike. The contenders then share the process's random generator and its
+    run reaches each alike. Each contender's epochs continue its own random sequence (its own
+    generator state, kept between its turns), as when it trains alone. The contenders share the
     device memory: each one's peak includes the others' resident tables, and ``auto`` placement
     decides each one's beside those built before it (logged). ``pyg`` trains on its own as it
     is reached.
@@ -275,6 +276,9 @@ def _take_turns(turns, device, graph, log) -> None:
     and empty ``turns`` (the trainers go)."""
     cuda = device.type == "cuda"
     peaks = {id(result): 0 for result, _, _ in turns}
+    # each contender draws from a generator of its own (dropout, ...): its epochs continue its own
+    # sequence, as when it trains alone, whatever ran between them (None: seeded by its first epoch)
+    generators: dict = {id(result): None for result, _, _ in turns}
     live = list(turns)
     while live:
         for turn in list(live):
@@ -282,8 +286,11 @@ def _take_turns(turns, device, graph, log) -> None:
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(device)
+            if generators[id(result)] is not None:
+                _set_generator(generators[id(result)], device)
             if next(epochs, None) is None:  # trained and tested
                 live.remove(turn)
+            generators[id(result)] = _get_generator(device)
             if cuda:
                 peaks[id(result)] = max(peaks[id(result)], torch.cuda.max_memory_allocated(device))
     for result, trainer, _ in turns:
@@ -300,6 +307,18 @@ def _take_turns(turns, device, graph, log) -> None:
         log(f"  {result.contender}: {result.steady:.3f} s/epoch steady, first {result.first:.3f} s, "
             f"test AP {result.test_ap:.4f}")
     turns.clear()  # the trainers go (the caller releases their cached memory)
+
+
+def _get_generator(device):
+    """The state of torch's default generators that a training epoch on ``device`` draws from."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_generator(state, device) -> None:
+    cpu, gpu = state
+    torch.set_rng_state(cpu)
+    if gpu is not None:
+        torch.cuda.set_rng_state(gpu, device)
 
 
 def _warm_batch(trainer, eager: nn.Module, batches: int = 20):
