@@ -187,6 +187,14 @@ _CANDIDATES: Tuple[_Candidate, ...] = (
 # per op and shape, 0 ("auto") first: the heuristic
 
 
+# Elements of the attention's [block_m, lanes] row tile searched at most: 16 times the heuristic's
+# (ROW_TILE). Of 15 trials with larger tiles in nine H200 studies (TGN d=100 block_m 16 and 32,
+# TGAT d=50 block_m 32 and 64; 3e7aa7b-3cb13da) none finished: each was 8-57 % slower than its
+# baseline where it reported, or cut while its kernels compiled (60-250 s each, about 1,000 s of
+# the studies' time in all).
+MAX_SEARCHED_ROW_TILE = 2048
+
+
 def _powers(top: int) -> Tuple[int, ...]:
     return tuple(1 << i for i in range(top.bit_length()) if 1 << i <= top)
 
@@ -197,7 +205,7 @@ def op_choices(op: FusedOp) -> Dict[str, Tuple[Any, ...]]:
     slots, heads, dim = op.problem
     if op.op == "temporal_attention":
         lanes = next_power_of_2(next_power_of_2(heads) * dim)  # the widest row: all heads
-        choices = {"block_m": _powers(min(64, MAX_TILE // lanes)), "rows_per_program": (1, 2, 4),
+        choices = {"block_m": _powers(max(1, min(64, MAX_SEARCHED_ROW_TILE // lanes))), "rows_per_program": (1, 2, 4),
                    "num_warps": (1, 2, 4, 8), "num_stages": (1, 2, 3),
                    "gather_eviction": ("none", "evict_last")}
         if heads > 1:

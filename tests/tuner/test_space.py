@@ -14,7 +14,7 @@ from fastopt.errors import ConfigError
 from fastopt.models import build_model
 import fastopt.tuner.space as space_module
 from fastopt.tuner import build_space
-from fastopt.tuner.space import knob_fields, op_choices
+from fastopt.tuner.space import MAX_SEARCHED_ROW_TILE, knob_fields, op_choices
 
 SMALL = {"tgn": {"memory_dim": 8, "dim": 8, "time_dim": 8}, "tgat": {"dim": 8, "time_dim": 8},
          "jodie": {"memory_dim": 8, "dim": 8, "time_dim": 8}, "apan": {"memory_dim": 8, "dim": 8, "time_dim": 8}}
@@ -271,7 +271,7 @@ def test_cuda_space_searches_the_mapping_per_fused_op(small_graph, name, two_cor
                 assert getattr(mapping, field) == ("" if value == "none" else value), (knob.name, value)
         if op.op == "temporal_attention":
             heads, dim = op.problem[1:]
-            assert max(mine["block_m"].choices) * next_power_of_2(next_power_of_2(heads) * dim) <= MAX_TILE
+            assert max(mine["block_m"].choices) * next_power_of_2(next_power_of_2(heads) * dim) <= MAX_SEARCHED_ROW_TILE
             assert max(mine["heads_per_program"].choices) == next_power_of_2(heads)
     assert ("kernels.attention_softmax" in space.names) == any(o.op == "temporal_attention" for o in ops.values())
     assert not {"kernels.block_m", "kernels.rows_per_program", "kernels.num_warps"} & set(space.names)
@@ -345,7 +345,15 @@ def test_finding_the_fused_ops_leaves_the_model_as_it_was(small_graph):
 ])
 def test_tile_choices_stay_within_the_register_tile(op, field, lanes):
     choices = op_choices(op)[field]
-    assert choices and max(choices) * lanes <= MAX_TILE
+    assert choices and max(choices) * lanes <= (MAX_SEARCHED_ROW_TILE if field == "block_m" else MAX_TILE)
     assert all(c & (c - 1) == 0 for c in choices)
     if op.op == "temporal_attention":
         assert op_choices(op)["heads_per_program"] == (1, 2, 4)  # up to H = 3, a power of two
+
+
+@pytest.mark.parametrize("problem,top", [((10, 2, 100), 8), ((10, 2, 50), 16), ((10, 1, 4000), 1)])
+def test_attention_row_tiles_searched_stop_where_h200_studies_never_finished_one(problem, top):
+    """TGN's (d=100) and TGAT's (d=50) attention: row tiles up to 2,048 elements; a row wider
+    than that keeps one row a tile."""
+    assert op_choices(space_module.FusedOp("temporal_attention", problem))["block_m"] == tuple(
+        1 << i for i in range(top.bit_length()))
