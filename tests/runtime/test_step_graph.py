@@ -171,6 +171,32 @@ def test_dropout_draws_fresh_masks_at_every_replay():
             assert not torch.equal(outs[i], outs[j]), (i, j)
 
 
+def test_a_restored_generator_state_replays_the_masks_drawn_after_it_was_kept():
+    """``fastopt bench --interleave`` keeps each contender's generator state between its turns:
+    a captured step with dropout, replayed after the state is restored, draws the masks it drew
+    after the state was kept, whatever was drawn in between."""
+    import fastopt
+    from fastopt.benchmark import _get_generator, _set_generator
+    from fastopt.models.layers import TemporalAttention
+
+    torch.manual_seed(0)
+    layer = fastopt.optimize(TemporalAttention(8, 4, 4, 8, num_heads=2, dropout=0.5).cuda())
+    args = [torch.randn(64, 8, device="cuda"), torch.randn(64, 5, 8, device="cuda"),
+            torch.randn(64, 5, 4, device="cuda"), torch.rand(64, 5, device="cuda"),
+            torch.rand(64, 5, device="cuda") > 0.2]
+    graphs = StepGraphs(lambda tensors, constant: layer(*tensors).detach().clone(), warmup=1)
+    graphs(args), graphs(args)  # eager, then the capture's run
+    device = torch.device("cuda", torch.cuda.current_device())
+    kept = _get_generator(device)
+    first = [graphs(args).clone() for _ in range(3)]
+    torch.rand(1000, device="cuda"), graphs(args)  # another contender's draws
+    _set_generator(kept, device)
+    again = [graphs(args).clone() for _ in range(3)]
+    assert graphs.captures == 1 and graphs.disabled is None, graphs.disabled
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first[0], first[1])  # fresh masks at each replay all the same
+
+
 def test_the_copy_stream_is_never_a_capture_stream(small_graph):
     """torch's side streams come from a pool of 32, round robin: after 32 more draws a loader's
     copy stream drawn there is a graph capture's stream again, its staging thread's copies join
