@@ -106,6 +106,27 @@ def _cut(where: str) -> TrialTimeout:
                         f"({where}); pass a longer --timeout to let such configs finish")
 
 
+class _Held:
+    """An alarm that rang inside :func:`_held` (raised when the outermost one ends)."""
+    depth = 0
+    rang: Optional[TrialTimeout] = None
+
+
+@contextlib.contextmanager
+def _held() -> Iterator[None]:
+    """A write to the study's storage inside a trial's :func:`_alarm`: an alarm that rings in it
+    is raised once the write has ended, never in its middle (a session cut mid-commit could leave
+    the storage unusable for the rest of the study)."""
+    _Held.depth += 1
+    try:
+        yield
+    finally:
+        _Held.depth -= 1
+    if not _Held.depth and _Held.rang is not None:
+        rang, _Held.rang = _Held.rang, None
+        raise rang
+
+
 @contextlib.contextmanager
 def _alarm(deadline: Optional[float], late: Callable[[], TrialTimeout]) -> Iterator[None]:
     """Raise ``late()`` in the block once ``time.perf_counter()`` passes ``deadline``, wherever
@@ -128,6 +149,9 @@ def _alarm(deadline: Optional[float], late: Callable[[], TrialTimeout]) -> Itera
     def ring(signum, frame):
         if armed[0]:  # never after the block: Optuna would see the error, not the trial
             armed[0] = False
+            if _Held.depth:  # in a storage write: raised when it ends
+                _Held.rang = late()
+                return
             raise late()
 
     previous = signal.signal(signal.SIGALRM, ring)
@@ -135,7 +159,7 @@ def _alarm(deadline: Optional[float], late: Callable[[], TrialTimeout]) -> Itera
     try:
         yield
     finally:
-        armed[0] = False
+        armed[0], _Held.rang = False, None
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
 
@@ -371,7 +395,9 @@ class StepObjective:
                     self._trainer = lambda: True
                 with device_memory_limit(trainer.device, self.max_device_memory):
                     if self.check is not None:
-                        trial.set_user_attr("verified", self.check(trainer))
+                        verified = self.check(trainer)
+                        with _held():
+                            trial.set_user_attr("verified", verified)
                         phases["check"], clock = time.perf_counter() - clock, time.perf_counter()
                         if _past(deadline):
                             raise late("building and checking it")
@@ -432,12 +458,14 @@ class StepObjective:
 
 
 def _prune_if_slow(trial: optuna.Trial, step: int, epoch_seconds: float) -> None:
-    trial.report(epoch_seconds, step)
-    if trial.should_prune():
+    with _held():
+        trial.report(epoch_seconds, step)
+        if not trial.should_prune():
+            return
         reason = (f"slower than earlier trials after {step} steps (mean step times the epoch's "
                   f"batches: {epoch_seconds:.3f} s)")
         trial.set_user_attr("pruned", reason)
-        raise optuna.TrialPruned(reason)
+    raise optuna.TrialPruned(reason)
 
 
 def release() -> None:

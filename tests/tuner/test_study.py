@@ -173,6 +173,34 @@ def test_the_studys_cutoff_ends_a_trial_in_its_middle(small_graph, config, tmp_p
                                                   "for the confirmation, ran out (building it)")
 
 
+def test_an_alarm_in_a_storage_write_is_raised_when_the_write_ends(small_graph, config, one_thread,
+                                                                  monkeypatch):
+    """A trial's alarm that rings while the trial writes to the study's storage (its report at
+    the window's halfway mark) waits for the write to end: the value is stored, then the trial
+    is cut."""
+    from fastopt.models import build_model
+    from fastopt.tuner.space import build_space
+
+    space = build_space(build_model("tgn", small_graph, config), small_graph, config, torch.device("cpu"))
+    trainer = default_trainer("tgn", small_graph)(config)
+    report = optuna.trial.Trial.report
+
+    def ringing(self, value, step):  # the alarm rings in the write
+        os.kill(os.getpid(), signal.SIGALRM)
+        time.sleep(0.2)
+        report(self, value, step)
+
+    monkeypatch.setattr(optuna.trial.Trial, "report", ringing)
+    study = optuna.create_study()
+    study.optimize(objective.StepObjective(space, config, lambda cfg: trainer, Window(1, 4, seconds=60)),
+                   n_trials=1)
+    (trial,) = study.trials
+    assert trial.state == optuna.trial.TrialState.PRUNED
+    assert trial.user_attrs["failure"].startswith("TrialTimeout: the trial took more than 60 s (in its warm-up")
+    assert list(trial.intermediate_values) == [2]  # the write ended before the alarm was raised
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and objective._Held.rang is None
+
+
 def test_three_trials_with_a_failing_config_pruned(small_graph, config, tmp_path, one_thread):
     config.set("tuner.confirm_rounds", 0)  # the record compares the trials' own windows
     lines = []
