@@ -317,9 +317,9 @@ def check_against_eager(make_eager: Callable[[Config], Any]) -> Callable[[Any], 
         inputs = trainer.build_inputs(batch.roots, batch.times)
         try:
             return verify_against_eager(trainer.model, eager, inputs)
-        except TrialTimeout:  # cut while checking: a slow config, not a wrong one
-            raise
         except FastOptError as exc:
+            if type(exc) is not FastOptError:  # a timeout, a kernel that fails, memory: not a wrong result
+                raise
             raise FastOptError(f"the trial's outputs or gradients disagree with eager ({exc}); its "
                                f"values are never chosen") from None
 

@@ -187,11 +187,11 @@ _CANDIDATES: Tuple[_Candidate, ...] = (
 # per op and shape, 0 ("auto") first: the heuristic
 
 
-# Elements of the attention's [block_m, lanes] row tile searched at most: 16 times the heuristic's
-# (ROW_TILE). Of 15 trials with larger tiles in nine H200 studies (TGN d=100 block_m 16 and 32,
-# TGAT d=50 block_m 32 and 64; 3e7aa7b-3cb13da) none finished: each was 8-57 % slower than its
-# baseline where it reported, or cut while its kernels compiled (60-250 s each, about 1,000 s of
-# the studies' time in all).
+# Elements of the attention's [block_m, lanes] row tile searched at most (one row where a row is
+# wider): 16 times the heuristic's (ROW_TILE). Of 15 trials with larger tiles in nine H200
+# studies (TGN d=100 block_m 16 and 32, TGAT d=50 block_m 32 and 64; 3e7aa7b-3cb13da) none
+# finished: each was 8-57 % slower than its baseline where it reported, or cut while its kernels
+# compiled (60-250 s each, about 1,000 s of the studies' time in all).
 MAX_SEARCHED_ROW_TILE = 2048
 
 

@@ -121,7 +121,8 @@ def tune(graph, model_name: str, config: Config, *, trials: int, timeout: Option
     say("search space:\n  " + space.describe().replace("\n", "\n  "))
     identity = device_identity(device)
     context = {"model": tuning_fingerprint(model), "model_name": model_name, "dataset": dataset_signature(graph),
-               "device": identity, "versions": library_versions(), "space": list(space.names),
+               "device": identity, "versions": library_versions(),
+               "space": {k.name: list(k.choices) for k in space.knobs},
                "fixed": space.fixed, "window": {"warmup": window.warmup, "timed": window.timed},
                "max_device_memory": max_device_memory, "baseline": config.to_dict()}
     name = study_name or f"{model_name}-{graph.name}-{identity['name']}".replace(" ", "_")
@@ -192,8 +193,9 @@ def confirm(study: optuna.Study, objective: StepObjective, rounds: int, top: int
     their medians (:func:`record_from_study`). A single window per trial drifts with the host
     (20 % within one study on the H200) and the best of many noisy windows is flattered; the
     medians of interleaved rounds are neither. Only whole rounds count: a round that would end
-    after ``deadline`` (a ``clock`` reading, at the pace of the round before it) is not started. A candidate that fails when measured again (out of memory, the memory limit) is
-    dropped with its reason. Returns the stored seconds by trial number (empty: nothing to
+    after ``deadline`` (a ``clock`` reading, at the pace of the round before it; the first at the
+    trials' pace, :func:`confirmation_seconds`) is not started. A candidate that fails when
+    measured again (out of memory, the memory limit) is dropped with its reason. Returns the stored seconds by trial number (empty: nothing to
     compare, or no round fitted).
     """
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
@@ -205,7 +207,7 @@ def confirm(study: optuna.Study, objective: StepObjective, rounds: int, top: int
     say(f"fastopt tune: confirming {', '.join(_trial_name(t) for t in candidates)}: {rounds} "
         f"round(s) in turns")
     seconds: Dict[int, List[float]] = {t.number: [] for t in candidates}
-    last = 0.0  # the last round's seconds: the pace of the next
+    last = confirmation_seconds(study, 1, top)  # the last round's seconds (first: the trials' pace)
     for r in range(rounds):
         if deadline is not None and clock() + last > deadline:
             say(f"fastopt tune: confirmation stopped after {r} round(s): --timeout")
@@ -234,10 +236,11 @@ def confirm(study: optuna.Study, objective: StepObjective, rounds: int, top: int
 
 def confirmation_seconds(study: optuna.Study, rounds: int, top: int) -> float:
     """About how long :func:`confirm` will take: ``rounds`` times the baseline and ``top`` others,
-    each measurement as long as a completed trial less its check against eager (the median; the
-    check is not repeated, while the trainer's build, its compiles and graph captures, warm-up,
-    window and teardown are). The phases alone (build, warm-up, window) leave the teardown and the
-    trainer's setup between them out: on the H200 they kept 5 s where one of three rounds fitted."""
+    each measurement as long as a completed trial less its check against eager (the median: the
+    trials that compiled kernels, which a remeasurement finds cached, are few; the trainer's build,
+    graph captures, warm-up, window and teardown are repeated). The phases alone (build, warm-up,
+    window) leave the teardown and the setup between them out: on the H200 they kept 5 s where
+    one of three rounds fitted. A completed trial of unknown duration counts as none."""
     runs = [t.duration.total_seconds() - t.user_attrs.get("phases", {}).get("check", 0.0)
             for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and t.duration is not None]
     if rounds < 1 or len(runs) < 2:
@@ -288,6 +291,15 @@ def _claim(study: optuna.Study, context: Dict[str, Any]) -> None:
         old, new = before.get(key), context.get(key)
         if sub is not None:
             old, new = (old or {}).get(sub), (new or {}).get(sub)
+        if old != new and key == "space":  # Optuna refuses a knob's choices changed under it
+            if isinstance(old, dict):
+                changed = sorted(n for n in set(old) | set(new) if old.get(n) != new.get(n))
+                what = (f"knobs added, dropped or with other choices: {', '.join(changed[:4])}"
+                        f"{' ...' if len(changed) > 4 else ''}")
+            else:
+                what = "made by an earlier fastopt, which kept only its knobs' names"
+            raise StudyError(f"study {study.study_name!r} searched another space ({what}); pass a new "
+                             f"--study-name (this fastopt's space differs from the one the study was made with)")
         if old != new:
             raise StudyError(f"study {study.study_name!r} tunes another {key} ({old!r}, this run "
                              f"{new!r}); pass a new --study-name, or the same model, dataset and "

@@ -186,15 +186,15 @@ def test_a_restored_generator_state_replays_the_masks_drawn_after_it_was_kept():
             torch.rand(64, 5, device="cuda") > 0.2]
     graphs = StepGraphs(lambda tensors, constant: layer(*tensors).detach().clone(), warmup=1)
     graphs(args), graphs(args)  # eager, then the capture's run
-    device = torch.device("cuda", torch.cuda.current_device())
-    kept = _get_generator(device)
-    first = [graphs(args).clone() for _ in range(3)]
-    torch.rand(1000, device="cuda"), graphs(args)  # another contender's draws
-    _set_generator(kept, device)
-    again = [graphs(args).clone() for _ in range(3)]
+    for device in (torch.device("cuda"), torch.device("cuda", torch.cuda.current_device())):  # bench's, indexed
+        kept = _get_generator(device)
+        first = [graphs(args).clone() for _ in range(3)]
+        torch.rand(1000, device="cuda"), graphs(args)  # another contender's draws
+        _set_generator(kept, device)
+        again = [graphs(args).clone() for _ in range(3)]
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+        assert not torch.equal(first[0], first[1])  # and still a fresh mask at each replay
     assert graphs.captures == 1 and graphs.disabled is None, graphs.disabled
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
-    assert not torch.equal(first[0], first[1])  # fresh masks at each replay all the same
 
 
 def test_the_copy_stream_is_never_a_capture_stream(small_graph):

@@ -119,6 +119,15 @@ def test_a_trial_cut_while_checking_is_slow_not_wrong(small_graph, config, one_t
     assert trial.state == optuna.trial.TrialState.PRUNED
     assert trial.user_attrs["failure"].startswith("TrialTimeout: the trial took more than 3 s (checking it)")
     assert "disagree" not in trial.user_attrs["failure"]
+    # nor is a kernel that fails while checking (only the comparison's own verdict is one)
+    from fastopt.errors import KernelError
+
+    def failing(*args):
+        raise KernelError("no kernel for this mapping")
+
+    monkeypatch.setattr(fastopt, "verify_against_eager", failing)
+    study.optimize(slow, n_trials=1)
+    assert study.trials[-1].user_attrs["failure"] == "KernelError: no kernel for this mapping"
 
 
 def test_a_memory_limit_on_a_device_without_an_index_is_set_on_the_current_one(monkeypatch):
@@ -141,5 +150,6 @@ def test_a_memory_limit_on_a_device_without_an_index_is_set_on_the_current_one(m
         with device_memory_limit(device, 25 * 2**30):
             assert calls == [("props", index), (0.25, index)]
         assert calls[-1] == (1.0, index)  # given back on leaving
+    before = list(calls)
     with device_memory_limit(torch.device("cpu"), 2**30):
-        assert calls[-1] == (1.0, 1)  # nothing on the CPU
+        assert calls == before  # nothing on the CPU

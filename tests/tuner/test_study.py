@@ -7,6 +7,7 @@ import gc
 import importlib.util
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -273,6 +274,8 @@ def test_the_baseline_and_the_best_trials_are_measured_again_in_turns(small_grap
     # no round fits before the deadline: nothing stored, nothing returned
     assert study_module.confirm(run.study, None, 2, 2, said.append, deadline=0.0, clock=lambda: 1.0) == {}
     assert said[-1] == "fastopt tune: confirmation stopped after 0 round(s): --timeout"
+    # nor one that the trials' pace would end after it: the first round is not started blind
+    assert study_module.confirm(run.study, None, 2, 2, said.append, deadline=1e-6, clock=lambda: 0.0) == {}
     # a round starts when one as long as the last fits: 6 s rounds (the baseline 4 s, the others
     # 1 s), so two fit in 14 s (a pace of the longest measurement per candidate, 12 s, fitted one)
     now = [0.0]
@@ -340,6 +343,17 @@ def test_a_study_of_another_problem_is_refused(small_graph, config, tmp_path, on
     with pytest.raises(StudyError, match="study 'x' tunes another model"):
         tune(small_graph, "jodie", config, trials=1, storage=db, study_name="x", window=WINDOW,
              say=lambda line: None)
+    # a knob whose choices changed (Optuna would refuse its next suggestion), or a study that
+    # stored its knobs' names alone: refused by name, not a crash in the next trial
+    study = optuna.load_study(study_name="x", storage=storage_url(db))
+    context = study.user_attrs[study_module.CONTEXT]
+    knob = next(iter(context["space"]))
+    for stale, why in (({**context["space"], knob: context["space"][knob][:1]}, re.escape(knob)),
+                       (list(context["space"]), "made by an earlier fastopt")):
+        study.set_user_attr(study_module.CONTEXT, {**context, "space": stale})
+        with pytest.raises(StudyError, match=f"study 'x' searched another space \\(.*{why}"):
+            tune(small_graph, "tgn", config, trials=2, storage=db, study_name="x", window=WINDOW,
+                 say=lambda line: None)
 
 
 def test_export_and_its_errors(small_graph, config, tmp_path, one_thread):
@@ -485,7 +499,9 @@ def test_the_confirmations_time_is_rounds_times_candidates_times_a_median_measur
         trials = [Trial(TrialState.COMPLETE, 72.0, build=1.0, check=50.0, warmup=15.0, window=1.0),  # compiles
                   Trial(TrialState.COMPLETE, 1.1, build=0.3, check=0.1, warmup=0.2, window=0.3),
                   Trial(TrialState.COMPLETE, 2.1, build=0.5, check=0.1, warmup=0.5, window=0.5),
-                  Trial(TrialState.PRUNED, 90.1, build=0.1, unfinished=90.0)]
+                  Trial(TrialState.PRUNED, 90.1, build=0.1, unfinished=90.0),
+                  Trial(TrialState.COMPLETE, 1.0, build=0.1)]
+    Study.trials[-1].duration = None  # completed, its duration unknown: not counted
 
     # each less its check: the median of 22.0, 1.0 and 2.0 s; the baseline and two others (three completed)
     assert confirmation_seconds(Study(), rounds=3, top=3) == 3 * 3 * 2.0
