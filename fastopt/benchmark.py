@@ -70,6 +70,9 @@ class BenchResult:
     verified: str = ""
     max_rel_error: float = 0.0
     note: str = ""
+    # CUDA-graph captures per epoch, in training and in its validation (none in a steady epoch)
+    captures: List[int] = field(default_factory=list)
+    val_captures: List[int] = field(default_factory=list)
 
     @property
     def first(self) -> float:
@@ -82,6 +85,7 @@ class BenchResult:
 
     def to_dict(self) -> dict:
         return {"contender": self.contender, "epoch_seconds": self.epoch_seconds,
+                "captures_per_epoch": self.captures, "val_captures_per_epoch": self.val_captures,
                 "first_epoch_s": self.first, "steady_epoch_s": self.steady, "stages": self.stages,
                 "bytes_h2d_per_epoch": self.bytes_h2d, "peak_device_bytes": self.peak_device_bytes,
                 "peak_host_bytes": self.peak_host_bytes,
@@ -296,6 +300,8 @@ def _take_turns(turns, device, graph, log) -> None:
     for result, trainer, _ in turns:
         history = trainer.history
         result.epoch_seconds = [h["seconds"] for h in history]
+        result.captures = [h.get("captures", 0) for h in history]
+        result.val_captures = [h.get("val_captures", 0) for h in history]
         steady = history[1:] or history
         result.stages = {k: statistics.median(h["stages"].get(k, 0.0) for h in steady) for k in STAGES}
         result.bytes_h2d = statistics.median(h["bytes_h2d"] for h in steady)
@@ -304,8 +310,9 @@ def _take_turns(turns, device, graph, log) -> None:
         result.train_events = len(graph.split_range("train"))
         result.val_ap = history[-1]["val"]["ap"]
         result.test_ap = trainer.test_metrics["ap"]
+        captured = ", ".join(f"{c}/{v}" for c, v in zip(result.captures, result.val_captures))
         log(f"  {result.contender}: {result.steady:.3f} s/epoch steady, first {result.first:.3f} s, "
-            f"test AP {result.test_ap:.4f}")
+            f"test AP {result.test_ap:.4f}; graph captures per epoch (training/validation) {captured}")
     turns.clear()  # the trainers go (the caller releases their cached memory)
 
 

@@ -140,6 +140,7 @@ class EpochStats:
     stages: dict = field(default_factory=dict)
     val: dict = field(default_factory=dict)
     bytes_h2d: int = 0
+    captures: int = 0  # CUDA-graph captures in the epoch (graph_captures): none in a steady one
 
 
 class Trainer:
@@ -227,6 +228,13 @@ class Trainer:
         ``captures``, ``replays``, ``disabled``), None where steps run eagerly."""
         return self._step_graphs
 
+    def graph_captures(self) -> int:
+        """CUDA-graph captures made so far: whole training steps and the optimized model's own
+        (its modules' runners, as evaluation replays them)."""
+        report = getattr(self.model, "fastopt_report", None)
+        return ((self._step_graphs.captures if self._step_graphs is not None else 0)
+                + sum(g.captures for g in getattr(report, "graphs", ())))
+
     def _load_shape_plan(self, graph: TemporalGraph):
         """Seed the padded lengths that shape a captured step (the loader's and the sampler's) from
         an earlier run's (:class:`~fastopt.runtime.shape_plans.ShapePlan`)."""
@@ -304,10 +312,11 @@ class Trainer:
         self._log(self._run_record(resume))
         while self.epoch < epochs and not self._patience_spent():
             stats = self.train_epoch(self.epoch)
-            t0 = time.perf_counter()
+            t0, captured = time.perf_counter(), self.graph_captures()
             stats.val = self.evaluate("val")
             record = _as_dict(stats)
             record["val_seconds"] = time.perf_counter() - t0
+            record["val_captures"] = self.graph_captures() - captured
             self.history.append(record)
             self._log(record)
             self._say(format_epoch(record))
@@ -406,7 +415,7 @@ class Trainer:
         timer = self._begin_epoch(epoch)
         split = self.graph.split_range("train")
         total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        moved = self.loader.bytes_moved()
+        moved, captured = self.loader.bytes_moved(), self.graph_captures()
         t0 = time.perf_counter()
         with self.loader.epoch("train", epoch, timer=timer) as batches:
             bar = progress_bar(batches, f"epoch {epoch}", self.progress, total=self.loader.num_batches("train"))
@@ -422,7 +431,7 @@ class Trainer:
         seconds = time.perf_counter() - t0
         n = split.stop - split.start
         return EpochStats(epoch, mean_loss / max(n, 1), seconds, n / seconds, timer.totals(),
-                          bytes_h2d=self.loader.bytes_moved() - moved)
+                          bytes_h2d=self.loader.bytes_moved() - moved, captures=self.graph_captures() - captured)
 
     def _step(self, batch: EventBatch, timer: StageTimer, train: bool):
         """One batch: a training step (returns the loss) or an evaluation (returns the scores)."""

@@ -99,6 +99,7 @@ def test_bench_interleaved_trains_each_contender_as_a_run_of_its_own(tiny_file, 
     assert all("s/epoch steady" not in line for line in lines[:-2])
     for alone, turns in zip(records[False]["results"], records[True]["results"], strict=True):
         assert len(turns["epoch_seconds"]) == 2 and turns["verified"]
+        assert turns["captures_per_epoch"] == turns["val_captures_per_epoch"] == [0, 0]  # no graphs on the CPU
         assert (turns["val_ap"], turns["test_ap"]) == (alone["val_ap"], alone["test_ap"])
 
 

@@ -148,6 +148,21 @@ def test_a_run_settles_on_one_captured_shape_per_batch_size(small_graph):
     assert captures[2] == captures[1] and t._step_graphs.disabled is None, t._step_graphs.disabled_trace
 
 
+def test_fit_records_each_epochs_captures_and_a_later_epoch_makes_none(small_graph):
+    """Each epoch's record counts the CUDA graphs captured in its training and its validation
+    (whole steps and the optimized model's modules); once every shape has been seen, an epoch
+    and its validation capture nothing (a capture in every epoch would cost its time each time)."""
+    cfg = Config()
+    cfg.train.device, cfg.train.batch_size, cfg.train.mrr_negatives = "cuda", 200, 0
+    cfg.train.optimize, cfg.pipeline.step_graphs = "on", "on"
+    torch.manual_seed(0)
+    t = Trainer(build_model("tgn", small_graph, memory_dim=16, dim=16, time_dim=8), small_graph, cfg, progress=False)
+    t.fit(3)
+    counted = [(h["captures"], h["val_captures"]) for h in t.history]
+    assert counted[0][0] >= 1 and counted[-1] == (0, 0), counted  # the first epoch captured its step
+    assert sum(c + v for c, v in counted) <= t.graph_captures()  # the test's own come after
+
+
 def test_dropout_draws_fresh_masks_at_every_replay():
     """A captured step with dropout (the fused attention's and nn.Dropout) must not replay one mask."""
     import fastopt
