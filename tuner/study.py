@@ -195,8 +195,8 @@ def confirm(study: optuna.Study, objective: StepObjective, rounds: int, top: int
     medians of interleaved rounds are neither. Only whole rounds count: a round that would end
     after ``deadline`` (a ``clock`` reading, at the pace of the round before it; the first at the
     trials' pace, :func:`confirmation_seconds`) is not started. A candidate that fails when
-    measured again (out of memory, the memory limit) is dropped with its reason. Returns the stored seconds by trial number (empty: nothing to
-    compare, or no round fitted).
+    measured again (out of memory, the memory limit) is dropped with its reason. Returns the
+    stored seconds by trial number (empty: nothing to compare, or no round fitted).
     """
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     baseline = [t for t in complete if t.user_attrs.get(ROLE) == "baseline"][:1]
