@@ -300,8 +300,8 @@ def _take_turns(turns, device, graph, log) -> None:
     for result, trainer, _ in turns:
         history = trainer.history
         result.epoch_seconds = [h["seconds"] for h in history]
-        result.captures = [h.get("captures", 0) for h in history]
-        result.val_captures = [h.get("val_captures", 0) for h in history]
+        result.captures = [h["captures"] for h in history]
+        result.val_captures = [h["val_captures"] for h in history]
         steady = history[1:] or history
         result.stages = {k: statistics.median(h["stages"].get(k, 0.0) for h in steady) for k in STAGES}
         result.bytes_h2d = statistics.median(h["bytes_h2d"] for h in steady)

@@ -570,7 +570,7 @@ class Trainer:
 def _as_dict(stats: EpochStats) -> dict:
     return {"epoch": stats.epoch, "loss": stats.loss, "seconds": stats.seconds,
             "events_per_s": stats.events_per_s, "stages": stats.stages, "bytes_h2d": stats.bytes_h2d,
-            "val": stats.val}
+            "captures": stats.captures, "val": stats.val}
 
 
 def format_epoch(record: dict) -> str:

@@ -159,7 +159,7 @@ def _alarm(deadline: Optional[float], late: Callable[[], TrialTimeout]) -> Itera
     try:
         yield
     finally:
-        armed[0], _Held.rang = False, None
+        armed[0], _Held.rang, _Held.depth = False, None, 0  # nothing held outlives the trial
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
 
@@ -458,13 +458,18 @@ class StepObjective:
 
 
 def _prune_if_slow(trial: optuna.Trial, step: int, epoch_seconds: float) -> None:
-    with _held():
-        trial.report(epoch_seconds, step)
-        if not trial.should_prune():
-            return
-        reason = (f"slower than earlier trials after {step} steps (mean step times the epoch's "
-                  f"batches: {epoch_seconds:.3f} s)")
-        trial.set_user_attr("pruned", reason)
+    reason = None
+    try:
+        with _held():
+            trial.report(epoch_seconds, step)
+            if not trial.should_prune():
+                return
+            reason = (f"slower than earlier trials after {step} steps (mean step times the epoch's "
+                      f"batches: {epoch_seconds:.3f} s)")
+            trial.set_user_attr("pruned", reason)
+    except TrialTimeout:
+        if reason is None:  # the alarm rang before the pruning was decided
+            raise
     raise optuna.TrialPruned(reason)
 
 

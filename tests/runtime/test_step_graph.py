@@ -160,7 +160,6 @@ def test_fit_records_each_epochs_captures_and_a_later_epoch_makes_none(small_gra
     t.fit(3)
     counted = [(h["captures"], h["val_captures"]) for h in t.history]
     assert counted[0][0] >= 1 and counted[-1] == (0, 0), counted  # the first epoch captured its step
-    assert sum(c + v for c, v in counted) <= t.graph_captures()  # the test's own come after
 
 
 def test_dropout_draws_fresh_masks_at_every_replay():

@@ -201,6 +201,19 @@ def test_an_alarm_in_a_storage_write_is_raised_when_the_write_ends(small_graph, 
     assert list(trial.intermediate_values) == [2]  # the write ended before the alarm was raised
     assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and objective._Held.rang is None
 
+    class Always(optuna.pruners.BasePruner):
+        def prune(self, study, trial):
+            return True
+
+    # pruned in the same write the alarm rang in: the pruning, decided first, is the reason
+    study = optuna.create_study(pruner=Always())
+    study.optimize(objective.StepObjective(space, config, lambda cfg: trainer, Window(1, 4, seconds=60)),
+                   n_trials=1)
+    (trial,) = study.trials
+    assert trial.state == optuna.trial.TrialState.PRUNED and "failure" not in trial.user_attrs
+    assert trial.user_attrs["pruned"].startswith("slower than earlier trials after 2 steps")
+    assert objective._Held.depth == 0 and objective._Held.rang is None
+
 
 def test_three_trials_with_a_failing_config_pruned(small_graph, config, tmp_path, one_thread):
     config.set("tuner.confirm_rounds", 0)  # the record compares the trials' own windows
