@@ -278,6 +278,8 @@ def _prepare(graph, model_name: str, base: Config, name: str, device, progress: 
 def _take_turns(turns, device, graph, log) -> None:
     """Run the contenders' epochs in turns until each has trained and tested; fill their results
     and empty ``turns`` (the trainers go)."""
+    from fastopt.trainer import random_state, set_random_state
+
     cuda = device.type == "cuda"
     peaks = {id(result): 0 for result, _, _ in turns}
     # each contender draws from a generator of its own (dropout, ...): its epochs continue its own
@@ -291,10 +293,10 @@ def _take_turns(turns, device, graph, log) -> None:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(device)
             if generators[id(result)] is not None:
-                _set_generator(generators[id(result)], device)
+                set_random_state(generators[id(result)])
             if next(epochs, None) is None:  # trained and tested
                 live.remove(turn)
-            generators[id(result)] = _get_generator(device)
+            generators[id(result)] = random_state()
             if cuda:
                 peaks[id(result)] = max(peaks[id(result)], torch.cuda.max_memory_allocated(device))
     for result, trainer, _ in turns:
@@ -314,18 +316,6 @@ def _take_turns(turns, device, graph, log) -> None:
         log(f"  {result.contender}: {result.steady:.3f} s/epoch steady, first {result.first:.3f} s, "
             f"test AP {result.test_ap:.4f}; graph captures per epoch (training/validation) {captured}")
     turns.clear()  # the trainers go (the caller releases their cached memory)
-
-
-def _get_generator(device):
-    """The state of torch's default generators that a training epoch on ``device`` draws from."""
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def _set_generator(state, device) -> None:
-    cpu, gpu = state
-    torch.set_rng_state(cpu)
-    if gpu is not None:
-        torch.cuda.set_rng_state(gpu, device)
 
 
 def _warm_batch(trainer, eager: nn.Module, batches: int = 20):

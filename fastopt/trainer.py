@@ -529,8 +529,7 @@ class Trainer:
             "epoch": self.epoch,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            **random_state(),
             "history": plain(self.history),
             "config": plain(self.config.to_dict()),
         }
@@ -553,9 +552,7 @@ class Trainer:
         state = read_checkpoint(path, map_location=self.device)
         load_model_state(self.model, state["model"], f"checkpoint {str(path)!r}")
         self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"].cpu())
-        if state.get("cuda_rng") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
+        set_random_state(state)
         self.epoch = int(state["epoch"])
         self.history = list(state["history"])
 
@@ -565,6 +562,20 @@ class Trainer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a") as f:
             f.write(json.dumps(record, default=float) + "\n")
+
+
+def random_state() -> dict:
+    """The state of torch's default generators that training draws from (dropout, ...): the CPU's
+    and every CUDA device's (``torch_rng``, ``cuda_rng``), as a checkpoint keeps them."""
+    return {"torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_random_state(state: dict) -> None:
+    """Restore what :func:`random_state` returned (the CUDA part where this process has CUDA)."""
+    torch.set_rng_state(state["torch_rng"].cpu())
+    if state.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
 
 
 def _as_dict(stats: EpochStats) -> dict:

@@ -190,7 +190,7 @@ def test_a_restored_generator_state_replays_the_masks_drawn_after_it_was_kept():
     a captured step with dropout, replayed after the state is restored, draws the masks it drew
     after the state was kept, whatever was drawn in between."""
     import fastopt
-    from fastopt.benchmark import _get_generator, _set_generator
+    from fastopt.trainer import random_state, set_random_state
     from fastopt.models.layers import TemporalAttention
 
     torch.manual_seed(0)
@@ -200,11 +200,11 @@ def test_a_restored_generator_state_replays_the_masks_drawn_after_it_was_kept():
             torch.rand(64, 5, device="cuda") > 0.2]
     graphs = StepGraphs(lambda tensors, constant: layer(*tensors).detach().clone(), warmup=1)
     graphs(args), graphs(args)  # eager, then the capture's run
-    for device in (torch.device("cuda"), torch.device("cuda", torch.cuda.current_device())):  # bench's, indexed
-        kept = _get_generator(device)
+    for _ in range(2):  # kept and restored twice
+        kept = random_state()
         first = [graphs(args).clone() for _ in range(3)]
         torch.rand(1000, device="cuda"), graphs(args)  # another contender's draws
-        _set_generator(kept, device)
+        set_random_state(kept)
         again = [graphs(args).clone() for _ in range(3)]
         assert all(torch.equal(a, b) for a, b in zip(first, again))
         assert not torch.equal(first[0], first[1])  # and still a fresh mask at each replay
