@@ -39,7 +39,8 @@
 # "factor": TGAT's epoch with passes.factor_time_encoding off and auto, profiled (bench/epoch_profile.py;
 # profile-tgat-factor-{off,auto}.log, each under FACTOR_S seconds, 150: the check against eager and the
 # profiled epoch take over 80 s). "launch": bench/graph_launch.py for each model (graph-launch-*.{log,json}).
-# "window": bench/tune_window.py per WINDOW_MODELS (see the step).
+# "window": bench/tune_window.py per WINDOW_MODELS (see the step). "pipe": epochs as fit runs them
+# per placement, with the threads' seconds (bench/epoch_profile.py --pipeline; see the step).
 # A call returns at most 8 files from OUT: give steps that write many their own call.
 set -u
 export PYTHONUNBUFFERED=1
@@ -105,7 +106,9 @@ if [[ " $STEPS " == *" tune "* ]]; then
         # study LIMIT_STUDY (one of the above, "model-dataset") again under a device-memory limit
         # LIMIT_BELOW_MB (64) below its baseline trial's peak (the all-on-device footprint), with
         # LIMIT_TRIALS trials under LIMIT_S seconds; its record goes to records-limited (not shipped)
-        gb=$(python3 - "$OUT/tune.db" "$LIMIT_STUDY" "${LIMIT_BELOW_MB:-64}" <<'PY'
+        # (LIMIT_GB: the limit itself, for a call that does not run the base study: e.g. the
+        # baseline peak an earlier call's DB records, less LIMIT_BELOW_MB)
+        gb=${LIMIT_GB:-$(python3 - "$OUT/tune.db" "$LIMIT_STUDY" "${LIMIT_BELOW_MB:-64}" <<'PY'
 import sys, optuna
 study = optuna.load_study(study_name=sys.argv[2], storage=f"sqlite:///{sys.argv[1]}")
 base = next(t for t in study.trials if t.user_attrs.get("role") == "baseline")
@@ -113,7 +116,7 @@ peak = base.user_attrs["peak_device_bytes"]
 print(f"{(peak - int(sys.argv[3]) * 2**20) / 2**30:.4f}")
 print(f"{sys.argv[2]}: baseline peak {peak / 2**30:.4f} GiB", file=sys.stderr)
 PY
-        )
+        )}
         echo "limited study: $LIMIT_STUDY under ${gb} GB" | tee -a "$OUT/tune.log"
         timeout "${LIMIT_S:-200}" fastopt tune --dataset "${LIMIT_STUDY#*-}" --model "${LIMIT_STUDY%%-*}" --batch-size 600 \
             --edge-dim 172 --trials "${LIMIT_TRIALS:-16}" --timeout "$(( ${LIMIT_S:-200} - 30 ))" \
@@ -122,6 +125,8 @@ PY
         python3 - "$OUT/tune.db" "$LIMIT_STUDY" >> "$OUT/tune.log" 2>&1 <<'PY'
 import sys, optuna
 for name in (sys.argv[2], sys.argv[2] + "-limited"):
+    if name not in optuna.get_all_study_names(f"sqlite:///{sys.argv[1]}"):
+        continue
     study = optuna.load_study(study_name=name, storage=f"sqlite:///{sys.argv[1]}")
     for t in study.trials:
         v = t.user_attrs.get("values", {})
@@ -146,6 +151,18 @@ if [[ " $STEPS " == *" scale "* ]]; then
         --json "$OUT/scale.json" >> "$OUT/scale.log" 2>&1  # progress bars: a run cut short still shows its rate
     rm -rf "$g" "$(dirname "$g")/.$(basename "$g")".*.tmp
     tail -5 "$OUT/scale.log"
+fi
+if [[ " $STEPS " == *" pipe "* ]]; then
+    # PIPE_EPOCHS (3) of PIPE_MODELS (tgn) as fit runs them, under each placement, nothing
+    # profiled (bench/epoch_profile.py --pipeline): the staging threads' and the training
+    # thread's seconds per epoch, where the host path's extra time is spent (pipe-*.log)
+    for m in ${PIPE_MODELS:-tgn}; do
+        for p in device host; do
+            FASTOPT_CACHE_PLACEMENT=$p timeout "${PIPE_S:-60}" python3 bench/epoch_profile.py --model $m \
+                --pipeline "${PIPE_EPOCHS:-3}" > "$OUT/pipe-$m-$p.log" 2>&1
+            grep -E "^epoch" "$OUT/pipe-$m-$p.log" | sed "s/^/$m $p /" | cut -c1-330
+        done
+    done
 fi
 if [[ " $STEPS " == *" hostprof "* ]]; then
     # one profiled TGN epoch per placement (device tables, then features on the host through
