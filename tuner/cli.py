@@ -44,7 +44,8 @@ def add_tune(sub, add_run_flags: Callable, build_config: Callable) -> None:
                    help="batch sizes to search, comma-separated (they change what the model learns; "
                         "default: the baseline's alone)")
     p.add_argument("--max-device-memory", type=float, default=None, metavar="GB",
-                   help="device memory a trial may hold (CUDA); trials above it are pruned")
+                   help="device memory a trial may hold while it trains (CUDA; the check against eager, "
+                        "which holds an eager copy of the model, runs outside it); trials above it are pruned")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per trial (default 5)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per trial, at most the rest of the epoch (default 1000)")
     p.add_argument("--trial-seconds", type=float, default=None, metavar="S",

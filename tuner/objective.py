@@ -341,8 +341,9 @@ class StepObjective:
         make_trainer: builds a fresh :class:`~fastopt.trainer.Trainer` (model included) for a
             config; called once per trial.
         window: the steps each trial runs.
-        max_device_memory: bytes a trial may allocate on a CUDA device; a trial above it is
-            pruned. Ignored on the CPU.
+        max_device_memory: bytes a trial may allocate on a CUDA device while it trains (its
+            model and tables, warm-up and window; not the check against eager, which holds an
+            eager copy of the model beside it); a trial above it is pruned. Ignored on the CPU.
         check: called with each trial's trainer before its window (:func:`check_against_eager`);
             a trial whose check raises is pruned with the reason. None: no check.
         cutoff: returns the ``time.perf_counter()`` value no trial may run past (the study's
@@ -393,15 +394,17 @@ class StepObjective:
                     self._trainer = weakref.ref(trainer)
                 except TypeError:  # not weakly referable: counted as alive
                     self._trainer = lambda: True
+                # the check holds a second, eager copy of the model, which training does not: it
+                # runs outside the memory limit, which bounds what training with the config holds
+                if self.check is not None:
+                    verified = self.check(trainer)
+                    with _held():
+                        trial.set_user_attr("verified", verified)
+                    phases["check"], clock = time.perf_counter() - clock, time.perf_counter()
+                    if _past(deadline):
+                        raise late("building and checking it")
+                part[0] = "in its warm-up or window"
                 with device_memory_limit(trainer.device, self.max_device_memory):
-                    if self.check is not None:
-                        verified = self.check(trainer)
-                        with _held():
-                            trial.set_user_attr("verified", verified)
-                        phases["check"], clock = time.perf_counter() - clock, time.perf_counter()
-                        if _past(deadline):
-                            raise late("building and checking it")
-                    part[0] = "in its warm-up or window"
                     result = measure_window(trainer, self.window,
                                             lambda step, value: _prune_if_slow(trial, step, value), deadline, late)
             phases["warmup"] = result.warmup_seconds

@@ -153,3 +153,44 @@ def test_a_memory_limit_on_a_device_without_an_index_is_set_on_the_current_one(m
     before = list(calls)
     with device_memory_limit(torch.device("cpu"), 2**30):
         assert calls == before  # nothing on the CPU
+
+
+def test_the_memory_limit_bounds_the_window_and_not_the_check_against_eager(small_graph, config, one_thread,
+                                                                           monkeypatch):
+    """``--max-device-memory`` bounds what training with a config holds: the window runs under it,
+    while the check against eager, which holds a second (eager) copy of the model, runs before it
+    (on the H200 a limit 64 MiB under TGN's footprint failed every trial in its check)."""
+    import contextlib
+
+    import fastopt.tuner.objective as objective
+    from fastopt.models import build_model
+    from fastopt.tuner.space import build_space
+    from fastopt.tuner.study import default_trainer
+
+    limited, seen = [], []
+
+    @contextlib.contextmanager
+    def limit(device, limit_bytes):
+        limited.append(limit_bytes)
+        try:
+            yield
+        finally:
+            limited.pop()
+
+    real_window = objective.measure_window
+
+    def window(*args, **kwargs):
+        seen.append(("window", list(limited)))
+        return real_window(*args, **kwargs)
+
+    monkeypatch.setattr(objective, "device_memory_limit", limit)
+    monkeypatch.setattr(objective, "measure_window", window)
+    space = build_space(build_model("tgn", small_graph, config), small_graph, config, torch.device("cpu"))
+    check = lambda trainer: seen.append(("check", list(limited))) or 1.0  # noqa: E731
+    run = objective.StepObjective(space, config, default_trainer("tgn", small_graph), WINDOW,
+                                  max_device_memory=2**30, check=check)
+    study = optuna.create_study()
+    study.optimize(run, n_trials=1)
+    assert study.trials[0].state == optuna.trial.TrialState.COMPLETE
+    assert seen == [("check", []), ("window", [2**30])]
+    assert limited == []  # given back
