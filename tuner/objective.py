@@ -174,7 +174,10 @@ class Measurement:
         steps: every timed step, in order.
         timing: ``"cuda_events"`` or ``"wall"``.
         warmup: untimed steps before them.
-        peak_device_bytes: the device's peak allocated memory in the window (None on the CPU).
+        peak_device_bytes: the most device memory the CUDA allocator held in the window (None
+            on the CPU): its reserved bytes, captured graphs' private pools and cached free
+            blocks included, which is what ``--max-device-memory`` bounds (PyTorch's
+            per-process fraction); the allocated bytes alone run 20-40 MiB under it for TGN.
         warmup_seconds: wall seconds from the call until the warm-up's last step was issued
             (the shape plan's sampling pass, kernel compiles and graph captures happen there).
     """
@@ -273,7 +276,7 @@ def measure_window(trainer, window: Window,
     if skip is not None and marks.cuda and len(intervals) > skip:
         del intervals[skip]
     step = statistics.fmean(intervals)
-    peak = torch.cuda.max_memory_allocated(device) if marks.cuda else None
+    peak = torch.cuda.max_memory_reserved(device) if marks.cuda else None
     return Measurement(step, step * batches, intervals, "cuda_events" if marks.cuda else "wall",
                        window.warmup, peak, 0.0 if window.warmup == 0 else (warm or 0.0))
 
@@ -403,6 +406,7 @@ class StepObjective:
                     phases["check"], clock = time.perf_counter() - clock, time.perf_counter()
                     if _past(deadline):
                         raise late("building and checking it")
+                    release(collect=False)  # the eager copy's blocks: the limit and the peak see training's
                 part[0] = "in its warm-up or window"
                 with device_memory_limit(trainer.device, self.max_device_memory):
                     result = measure_window(trainer, self.window,
@@ -476,12 +480,14 @@ def _prune_if_slow(trial: optuna.Trial, step: int, epoch_seconds: float) -> None
     raise optuna.TrialPruned(reason)
 
 
-def release() -> None:
+def release(collect: bool = True) -> None:
     """Free what a trial left behind (its trainer, captured graphs, cached blocks): one garbage
     collection, then the CUDA allocator's cached blocks. :func:`~fastopt.tuner.study.tune` calls
     it after each trial, once Optuna has dropped the trial's frames (a pruned trial's traceback
-    holds its trainer until then)."""
-    gc.collect()
+    holds its trainer until then). ``collect=False``: the cached blocks alone (what a check's
+    eager model, freed when the check returned, left in the allocator)."""
+    if collect:
+        gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

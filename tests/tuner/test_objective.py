@@ -159,7 +159,8 @@ def test_the_memory_limit_bounds_the_window_and_not_the_check_against_eager(smal
                                                                            monkeypatch):
     """``--max-device-memory`` bounds what training with a config holds: the window runs under it,
     while the check against eager, which holds a second (eager) copy of the model, runs before it
-    (on the H200 a limit 64 MiB under TGN's footprint failed every trial in its check)."""
+    (on the H200 a limit 64 MiB under TGN's footprint failed every trial in its check), and
+    the eager copy's blocks are given back before the window."""
     import contextlib
 
     import fastopt.tuner.objective as objective
@@ -185,6 +186,7 @@ def test_the_memory_limit_bounds_the_window_and_not_the_check_against_eager(smal
 
     monkeypatch.setattr(objective, "device_memory_limit", limit)
     monkeypatch.setattr(objective, "measure_window", window)
+    monkeypatch.setattr(objective, "release", lambda collect=True: seen.append(("release", collect, list(limited))))
     space = build_space(build_model("tgn", small_graph, config), small_graph, config, torch.device("cpu"))
     check = lambda trainer: seen.append(("check", list(limited))) or 1.0  # noqa: E731
     run = objective.StepObjective(space, config, default_trainer("tgn", small_graph), WINDOW,
@@ -192,5 +194,34 @@ def test_the_memory_limit_bounds_the_window_and_not_the_check_against_eager(smal
     study = optuna.create_study()
     study.optimize(run, n_trials=1)
     assert study.trials[0].state == optuna.trial.TrialState.COMPLETE
-    assert seen == [("check", []), ("window", [2**30])]
+    # the eager copy's blocks are released before the window: neither the limit nor the peak counts them
+    assert seen == [("check", []), ("release", False, []), ("window", [2**30])]
     assert limited == []  # given back
+
+
+def test_a_windows_peak_is_the_memory_the_allocator_held_which_the_limit_bounds(small_graph, config, one_thread,
+                                                                              monkeypatch):
+    """The peak a trial records is PyTorch's reserved bytes (graph pools and cached blocks
+    included), which the per-process fraction limits, not the allocated bytes: on the H200 a
+    config whose allocated peak was 25 MiB under the limit ran out of memory under it."""
+    import fastopt.tuner.objective as objective
+    from fastopt.tuner.study import default_trainer
+
+    class Marks:  # CUDA event timing without a GPU: one wall interval per mark
+        cuda = True
+
+        def __init__(self, device):
+            self.times = []
+
+        def mark(self):
+            self.times.append(0.0)
+
+        def intervals(self):
+            return [1e-3] * (len(self.times) - 1)
+
+    monkeypatch.setattr(objective, "_Marks", Marks)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 550 * 2**20)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 510 * 2**20)
+    result = objective.measure_window(default_trainer("tgn", small_graph)(config), WINDOW)
+    assert result.peak_device_bytes == 550 * 2**20 and result.timing == "cuda_events"
