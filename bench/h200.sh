@@ -84,6 +84,14 @@ if [[ " $STEPS " == *" tune "* ]]; then
     # TUNE_DB: a tune.db an earlier call returned (carried in a git-ignored folder): its studies
     # resume where they stopped, so that one study can span calls of 10 minutes
     [ -n "${TUNE_DB:-}" ] && cp "$TUNE_DB" "$OUT/tune.db"
+    # TUNE_SYNTH=N: a GDELT-like graph of N events (186-d edge features, which then dominate the
+    # device footprint) synthesized to /tmp/gdelt-tune first: name it in TUNE_DATASETS and in
+    # LIMIT_DATASET (its studies are "<model>-gdelt-tune")
+    if [ -n "${TUNE_SYNTH:-}" ]; then
+        rm -rf /tmp/gdelt-tune /tmp/.gdelt-tune.*.tmp
+        timeout "${SYNTH_S:-120}" fastopt data synth --like gdelt --events "$TUNE_SYNTH" --out /tmp/gdelt-tune \
+            >> "$OUT/tune.log" 2>&1
+    fi
     for d in ${TUNE_DATASETS:-wikipedia}; do
         for m in ${TUNE_MODELS:-tgn tgat}; do
             # the study's own --timeout (which cuts a running trial where the confirmation's time
@@ -108,7 +116,8 @@ if [[ " $STEPS " == *" tune "* ]]; then
         # baseline trial's peak (the all-on-device footprint), with
         # LIMIT_TRIALS trials under LIMIT_S seconds; its record goes to records-limited (not shipped)
         # (LIMIT_GB: the limit itself, for a call that does not run the base study: e.g. the
-        # baseline peak an earlier call's DB records, less LIMIT_BELOW_MB)
+        # baseline peak an earlier call's DB records, less LIMIT_BELOW_MB; LIMIT_DATASET: the
+        # study's dataset where it is a path, e.g. /tmp/gdelt-tune)
         gb=${LIMIT_GB:-$(python3 - "$OUT/tune.db" "$LIMIT_STUDY" "${LIMIT_BELOW_MB:-24}" <<'PY'
 import sys, optuna
 study = optuna.load_study(study_name=sys.argv[2], storage=f"sqlite:///{sys.argv[1]}")
@@ -119,7 +128,7 @@ print(f"{sys.argv[2]}: baseline peak {peak / 2**30:.4f} GiB", file=sys.stderr)
 PY
         )}
         echo "limited study: $LIMIT_STUDY under ${gb} GB" | tee -a "$OUT/tune.log"
-        timeout "${LIMIT_S:-200}" fastopt tune --dataset "${LIMIT_STUDY#*-}" --model "${LIMIT_STUDY%%-*}" --batch-size 600 \
+        timeout "${LIMIT_S:-200}" fastopt tune --dataset "${LIMIT_DATASET:-${LIMIT_STUDY#*-}}" --model "${LIMIT_STUDY%%-*}" --batch-size 600 \
             --edge-dim 172 --trials "${LIMIT_TRIALS:-16}" --timeout "$(( ${LIMIT_S:-200} - 30 ))" \
             --storage "sqlite:///$OUT/tune.db" --study-name "$LIMIT_STUDY-limited" --out "$OUT/records-limited" \
             --max-device-memory "$gb" --no-progress >> "$OUT/tune.log" 2>&1
