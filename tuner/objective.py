@@ -408,12 +408,9 @@ class StepObjective:
                         raise late("building and checking it")
                     release(collect=False)  # the eager copy's blocks: the limit and the peak see training's
                 part[0] = "in its warm-up or window"
-                with device_memory_limit(trainer.device, self.max_device_memory):
-                    result = measure_window(trainer, self.window,
-                                            lambda step, value: _prune_if_slow(trial, step, value), deadline, late)
+                result = self._window(trainer, lambda step, value: _prune_if_slow(trial, step, value), deadline, late)
             phases["warmup"] = result.warmup_seconds
             phases["window"] = time.perf_counter() - clock - result.warmup_seconds
-            self._check_memory(result)
         except optuna.TrialPruned:
             raise
         except Exception as exc:  # noqa: BLE001  (a failing config is a result, never the study's end)
@@ -450,18 +447,20 @@ class StepObjective:
         """
         trainer = self.make_trainer(self.space.apply(self.config, values))
         try:
-            with device_memory_limit(trainer.device, self.max_device_memory):
-                result = measure_window(trainer, self.window)
-            self._check_memory(result)
-            return result.epoch_seconds
+            return self._window(trainer).epoch_seconds
         finally:
             del trainer
 
-    def _check_memory(self, result: Measurement) -> None:
+    def _window(self, trainer, *args) -> Measurement:
+        """``trainer``'s window (:func:`measure_window`, ``args`` after the window) under the
+        memory limit; a ConfigError where its peak went above the limit without failing."""
+        with device_memory_limit(trainer.device, self.max_device_memory):
+            result = measure_window(trainer, self.window, *args)
         limit, peak = self.max_device_memory, result.peak_device_bytes
         if limit is not None and peak is not None and peak > limit:
             raise ConfigError(f"the trial's peak device memory {peak / 2**30:.2f} GiB is above the "
                               f"limit {limit / 2**30:.2f} GiB (--max-device-memory)")
+        return result
 
 
 def _prune_if_slow(trial: optuna.Trial, step: int, epoch_seconds: float) -> None:

@@ -207,7 +207,45 @@ def test_a_windows_peak_is_the_memory_the_allocator_held_which_the_limit_bounds(
     import fastopt.tuner.objective as objective
     from fastopt.tuner.study import default_trainer
 
-    class Marks:  # CUDA event timing without a GPU: one wall interval per mark
+    fake_cuda_memory(monkeypatch, reserved=550 * 2**20, allocated=510 * 2**20)
+    result = objective.measure_window(default_trainer("tgn", small_graph)(config), WINDOW)
+    assert result.peak_device_bytes == 550 * 2**20 and result.timing == "cuda_events"
+
+
+def test_a_trial_whose_peak_is_above_the_limit_is_pruned_and_not_remeasured(small_graph, config, one_thread,
+                                                                         monkeypatch):
+    """A window that stayed under PyTorch's fraction but whose peak is above ``--max-device-memory``
+    (the fraction is a float of the device's memory) is pruned with both figures, in a trial and in
+    the confirmation's measurement; one under it completes."""
+    import fastopt.tuner.objective as objective
+    from fastopt.errors import ConfigError
+    from fastopt.models import build_model
+    from fastopt.tuner.space import build_space
+    from fastopt.tuner.study import default_trainer
+
+    fake_cuda_memory(monkeypatch, reserved=3 * 2**30, allocated=2**30)
+    space = build_space(build_model("tgn", small_graph, config), small_graph, config, torch.device("cpu"))
+    for limit, state in ((2 * 2**30, optuna.trial.TrialState.PRUNED), (4 * 2**30, optuna.trial.TrialState.COMPLETE)):
+        run = objective.StepObjective(space, config, default_trainer("tgn", small_graph), WINDOW,
+                                      max_device_memory=limit)
+        study = optuna.create_study()
+        study.optimize(run, n_trials=1)
+        assert study.trials[0].state == state
+    assert study.trials[0].user_attrs["peak_device_bytes"] == 3 * 2**30
+    low = objective.StepObjective(space, config, default_trainer("tgn", small_graph), WINDOW, max_device_memory=2 * 2**30)
+    pruned = optuna.create_study()
+    pruned.optimize(low, n_trials=1)
+    assert pruned.trials[0].user_attrs["failure"] == ("ConfigError: the trial's peak device memory 3.00 GiB is above "
+                                                       "the limit 2.00 GiB (--max-device-memory)")
+    with pytest.raises(ConfigError, match="above the limit 2.00 GiB"):
+        low.remeasure(space.baseline())
+
+
+def fake_cuda_memory(monkeypatch, *, reserved: int, allocated: int) -> None:
+    """A window timed as on CUDA (one interval per mark) whose allocator's peaks are given."""
+    import fastopt.tuner.objective as objective
+
+    class Marks:
         cuda = True
 
         def __init__(self, device):
@@ -221,7 +259,5 @@ def test_a_windows_peak_is_the_memory_the_allocator_held_which_the_limit_bounds(
 
     monkeypatch.setattr(objective, "_Marks", Marks)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 550 * 2**20)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 510 * 2**20)
-    result = objective.measure_window(default_trainer("tgn", small_graph)(config), WINDOW)
-    assert result.peak_device_bytes == 550 * 2**20 and result.timing == "cuda_events"
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: reserved)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: allocated)
