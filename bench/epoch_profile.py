@@ -12,7 +12,8 @@ called in turn on this thread, under cProfile): where the host time that feeds t
 profiled, one line each: the epoch, its stages, the steps captured in it, the padded lengths it
 ended with, the seconds the staging threads spent sampling (``Loader.sample``) and staging
 (``Loader.stage``, its own sampling left out), the training thread finishing batches
-(``Loader.finish``), and the minor page faults of the training pass: whether an epoch waits on
+(``Loader.finish``), each with the seconds its threads spent on a CPU (``time.thread_time``:
+a wall time well above it is waiting, on the GIL, a lock or the driver), and the minor page faults of the training pass: whether an epoch waits on
 its producer, and why.
 ``--shapes`` runs without CUDA graphs (a replayed graph hides its operators from the profiler)
 and lists the matrix products grouped by their input shapes, by device time. On CUDA it also
@@ -149,22 +150,25 @@ def profile_pipeline(trainer: Trainer, epochs: int) -> int:
     import threading
     from collections import defaultdict
 
-    loader, spent, lock, inside = trainer.loader, defaultdict(float), threading.Lock(), threading.local()
+    loader, lock, inside = trainer.loader, threading.Lock(), threading.local()
+    spent, cpu = defaultdict(float), defaultdict(float)  # wall seconds, and the calling thread's CPU seconds
 
     def timed(name, method):
         def call(*args, **kwargs):
             outer = getattr(inside, "call", None)  # stage samples a batch nothing sampled yet
             inside.call = name
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return method(*args, **kwargs)
             finally:
-                seconds = time.perf_counter() - t0
+                seconds, on_cpu = time.perf_counter() - t0, time.thread_time() - c0
                 inside.call = outer
                 with lock:
                     spent[name] += seconds
+                    cpu[name] += on_cpu
                     if outer is not None:
                         spent[outer] -= seconds
+                        cpu[outer] -= on_cpu
         return call
 
     for name in ("sample", "stage", "finish"):  # the loader's own calls go through these too
@@ -172,6 +176,7 @@ def profile_pipeline(trainer: Trainer, epochs: int) -> int:
     graphs = trainer.step_graphs  # None: no whole-step capture on this device
     for epoch in range(epochs):
         spent.clear()
+        cpu.clear()
         captured = graphs.captures if graphs is not None else 0
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         stats = trainer.train_epoch(epoch)
@@ -180,15 +185,16 @@ def profile_pipeline(trainer: Trainer, epochs: int) -> int:
         wrong = loss_failures(stats)
         if wrong:  # before validation, which refuses non-finite scores
             return report_wrong(wrong)
-        training = dict(spent)  # validation goes through the same calls
+        training, on_cpu = dict(spent), dict(cpu)  # validation goes through the same calls
         t0 = time.perf_counter()
         trainer.evaluate("val")
         trainer.epoch = epoch + 1
         print(f"epoch {epoch}: {stats.seconds:.3f} s, stages "
               + " ".join(f"{k}={v:.3f}" for k, v in stats.stages.items())
-              + f"; {captured} step(s) captured; staging threads sampling {training.get('sample', 0):.3f} s, "
-              f"staging {training.get('stage', 0):.3f} s; training thread finishing "
-              f"{training.get('finish', 0):.3f} s; {faults} minor faults; validation {time.perf_counter() - t0:.2f} s; "
+              + f"; {captured} step(s) captured; staging threads sampling {training.get('sample', 0):.3f} s "
+              f"({on_cpu.get('sample', 0):.3f} on a CPU), staging {training.get('stage', 0):.3f} s "
+              f"({on_cpu.get('stage', 0):.3f}); training thread finishing {training.get('finish', 0):.3f} s "
+              f"({on_cpu.get('finish', 0):.3f}); {faults} minor faults; validation {time.perf_counter() - t0:.2f} s; "
               f"padded lengths {dict(loader.high_water.lengths)}", flush=True)
     return 0
 
