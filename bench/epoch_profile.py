@@ -13,8 +13,8 @@ profiled, one line each: the epoch, its stages, the steps captured in it, the pa
 ended with, the seconds the staging threads spent sampling (``Loader.sample``) and staging
 (``Loader.stage``, its own sampling left out), the training thread finishing batches
 (``Loader.finish``), each with the seconds its threads spent on a CPU (``time.thread_time``:
-a wall time well above it is waiting, on the GIL, a lock or the driver), and the minor page faults of the training pass: whether an epoch waits on
-its producer, and why.
+a wall time well above it is waiting, on the GIL, a lock or the driver), and the minor page
+faults of the training pass: whether an epoch waits on its producer, and why.
 ``--shapes`` runs without CUDA graphs (a replayed graph hides its operators from the profiler)
 and lists the matrix products grouped by their input shapes, by device time. On CUDA it also
 says how long the device sat idle in the profiled epoch (no kernel running on any stream) and

@@ -118,15 +118,16 @@ if [[ " $STEPS " == *" tune "* ]]; then
         # (LIMIT_GB: the limit itself, for a call that does not run the base study: e.g. the
         # baseline peak an earlier call's DB records, less LIMIT_BELOW_MB; LIMIT_DATASET: the
         # study's dataset where it is a path, e.g. /tmp/gdelt-tune)
-        gb=${LIMIT_GB:-$(python3 - "$OUT/tune.db" "$LIMIT_STUDY" "${LIMIT_BELOW_MB:-24}" <<'PY'
+        gb=${LIMIT_GB:-}
+        [ -n "$gb" ] || gb=$(python3 - "$OUT/tune.db" "$LIMIT_STUDY" "${LIMIT_BELOW_MB:-24}" <<'PY'
 import sys, optuna
 study = optuna.load_study(study_name=sys.argv[2], storage=f"sqlite:///{sys.argv[1]}")
 base = next(t for t in study.trials if t.user_attrs.get("role") == "baseline")
-peak = base.user_attrs["peak_device_bytes"]
+peak = base.user_attrs["peak_device_bytes"]  # reserved bytes since 66007ed (allocated before)
 print(f"{(peak - int(sys.argv[3]) * 2**20) / 2**30:.4f}")
 print(f"{sys.argv[2]}: baseline peak {peak / 2**30:.4f} GiB", file=sys.stderr)
 PY
-        )}
+        )
         echo "limited study: $LIMIT_STUDY under ${gb} GB" | tee -a "$OUT/tune.log"
         timeout "${LIMIT_S:-200}" fastopt tune --dataset "${LIMIT_DATASET:-${LIMIT_STUDY#*-}}" --model "${LIMIT_STUDY%%-*}" --batch-size 600 \
             --edge-dim 172 --trials "${LIMIT_TRIALS:-16}" --timeout "$(( ${LIMIT_S:-200} - 30 ))" \

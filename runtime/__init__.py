@@ -13,12 +13,12 @@ from fastopt.runtime.sampler import OPENMP, TemporalSampler
 from fastopt.runtime.cache_policy import BeladyResult, belady_optimum
 from fastopt.runtime.slimcache import CacheCounters, CacheTable, PendingRows, SlimCache, UniqueRows
 from fastopt.runtime.loader import EventBatch, Loader, NegativeSampler, StageTimer
-from fastopt.runtime.graphs import GraphCapture, GraphRunner, attach_graph_runners, capturing
+from fastopt.runtime.graphs import GraphCapture, GraphRunner, attach_graph_runners, capturing, drop_graphs
 from fastopt.runtime.last_neighbors import LastNeighborLoader
 from fastopt.runtime.padding import RowPad, constant_rows, pad_rows
 
 __all__ = ["SampledBatch", "TemporalBlock", "Unique", "SlimCache", "CacheTable", "UniqueRows",
            "PendingRows", "CacheCounters", "BeladyResult", "belady_optimum", "TemporalSampler", "OPENMP",
            "GraphInputs", "EventBatch", "Loader", "NegativeSampler", "StageTimer", "GraphCapture",
-           "GraphRunner", "attach_graph_runners", "capturing", "LastNeighborLoader", "bucket", "RowPad",
+           "GraphRunner", "attach_graph_runners", "capturing", "drop_graphs", "LastNeighborLoader", "bucket", "RowPad",
            "constant_rows", "pad_rows"]

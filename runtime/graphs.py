@@ -227,6 +227,14 @@ class GraphRunner:
         """Graph pairs held now."""
         return len(self._graphs)
 
+    def clear(self) -> int:
+        """Drop every graph pair held (their memory pools go with them once nothing else holds
+        them); calls capture again as they come. Returns the pairs dropped."""
+        dropped = len(self._graphs)
+        self._graphs.clear()
+        self.record.graphs = 0
+        return dropped
+
     def _give_up(self, reason: str) -> None:
         self._off = reason
         self._graphs.clear()
@@ -380,6 +388,14 @@ def _graphed_class(cls: type) -> type:
     if cls not in _CLASSES:
         _CLASSES[cls] = type(cls.__name__, (GraphedForward, cls), {"__module__": cls.__module__})
     return _CLASSES[cls]
+
+
+def drop_graphs(module: nn.Module) -> int:
+    """:meth:`GraphRunner.clear` for every runner of ``module`` and its submodules: what a check
+    that ran the model in eval mode (``fastopt.verify_against_eager``) captured and training never
+    replays. Returns the pairs dropped."""
+    return sum(value.clear() for m in module.modules() for value in list(m.__dict__.values())
+               if isinstance(value, GraphRunner))
 
 
 def attach_graph_runners(optimized: nn.Module, owned: Sequence[Tuple[str, nn.Module]],

@@ -114,9 +114,10 @@ class _Held:
 
 @contextlib.contextmanager
 def _held() -> Iterator[None]:
-    """A write to the study's storage inside a trial's :func:`_alarm`: an alarm that rings in it
-    is raised once the write has ended, never in its middle (a session cut mid-commit could leave
-    the storage unusable for the rest of the study)."""
+    """A write to the study's storage (or a setting such as the memory limit) inside a trial's
+    :func:`_alarm`: an alarm that rings in it is raised once the write has ended, never in its
+    middle (a session cut mid-commit could leave the storage unusable for the rest of the study,
+    a limit cut between set and reset would hold the next trial's check)."""
     _Held.depth += 1
     try:
         yield
@@ -291,11 +292,13 @@ def device_memory_limit(device: torch.device, limit_bytes: Optional[int]) -> Ite
     # the fraction is set per device index: a bare "cuda" (a trainer's default) is the current one
     index = torch.cuda.current_device() if device.index is None else device.index
     total = torch.cuda.get_device_properties(index).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), index)
-    try:
+    try:  # a trial's alarm waits for each setting (_held): the limit is never left on after it
+        with _held():
+            torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), index)
         yield
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, index)
+        with _held():
+            torch.cuda.set_per_process_memory_fraction(1.0, index)
 
 
 def check_against_eager(make_eager: Callable[[Config], Any]) -> Callable[[Any], Optional[float]]:
@@ -314,6 +317,8 @@ def check_against_eager(make_eager: Callable[[Config], Any]) -> Callable[[Any], 
         report = getattr(trainer.model, "fastopt_report", None)
         if report is None or not report.changed:
             return None
+        from fastopt.runtime import drop_graphs
+
         eager = make_eager(trainer.config).to(trainer.device)
         eager.load_state_dict(trainer.model.state_dict())
         batch = next(iter(trainer.plan("train", 0)))
@@ -325,6 +330,8 @@ def check_against_eager(make_eager: Callable[[Config], Any]) -> Callable[[Any], 
                 raise
             raise FastOptError(f"the trial's outputs or gradients disagree with eager ({exc}); its "
                                f"values are never chosen") from None
+        finally:  # the eval-mode graphs it captured: training never replays them
+            drop_graphs(trainer.model)
 
     return check
 
@@ -344,9 +351,10 @@ class StepObjective:
         make_trainer: builds a fresh :class:`~fastopt.trainer.Trainer` (model included) for a
             config; called once per trial.
         window: the steps each trial runs.
-        max_device_memory: bytes a trial may allocate on a CUDA device while it trains (its
-            model and tables, warm-up and window; not the check against eager, which holds an
-            eager copy of the model beside it); a trial above it is pruned. Ignored on the CPU.
+        max_device_memory: bytes the CUDA allocator may hold for a trial while it trains
+            (reserved: its model and tables, captured graphs' pools and cached blocks, in the
+            warm-up and window; not the check against eager, which holds an eager copy of the
+            model beside it); a trial above it is pruned. Ignored on the CPU.
         check: called with each trial's trainer before its window (:func:`check_against_eager`);
             a trial whose check raises is pruned with the reason. None: no check.
         cutoff: returns the ``time.perf_counter()`` value no trial may run past (the study's
@@ -406,11 +414,13 @@ class StepObjective:
                     phases["check"], clock = time.perf_counter() - clock, time.perf_counter()
                     if _past(deadline):
                         raise late("building and checking it")
-                    release(collect=False)  # the eager copy's blocks: the limit and the peak see training's
                 part[0] = "in its warm-up or window"
                 result = self._window(trainer, lambda step, value: _prune_if_slow(trial, step, value), deadline, late)
             phases["warmup"] = result.warmup_seconds
             phases["window"] = time.perf_counter() - clock - result.warmup_seconds
+            with _held():
+                trial.set_user_attr("peak_device_bytes", result.peak_device_bytes)
+            self._check_memory(result)
         except optuna.TrialPruned:
             raise
         except Exception as exc:  # noqa: BLE001  (a failing config is a result, never the study's end)
@@ -425,7 +435,6 @@ class StepObjective:
         trial.set_user_attr("step_seconds", result.step_seconds)
         trial.set_user_attr("steps", result.steps)
         trial.set_user_attr("timing", result.timing)
-        trial.set_user_attr("peak_device_bytes", result.peak_device_bytes)
         return result.epoch_seconds
 
     def _deadline(self, trial: optuna.Trial, now: float):
@@ -447,20 +456,27 @@ class StepObjective:
         """
         trainer = self.make_trainer(self.space.apply(self.config, values))
         try:
-            return self._window(trainer).epoch_seconds
+            result = self._window(trainer)
+            self._check_memory(result)
+            return result.epoch_seconds
         finally:
             del trainer
 
     def _window(self, trainer, *args) -> Measurement:
         """``trainer``'s window (:func:`measure_window`, ``args`` after the window) under the
-        memory limit; a ConfigError where its peak went above the limit without failing."""
+        memory limit, the allocator's cached blocks given back first (a check's eager copy, the
+        build's temporaries): the limit and the peak count what training holds."""
+        release(collect=False)
         with device_memory_limit(trainer.device, self.max_device_memory):
-            result = measure_window(trainer, self.window, *args)
+            return measure_window(trainer, self.window, *args)
+
+    def _check_memory(self, result: Measurement) -> None:
+        """A ConfigError where the window's peak went above the limit without failing (the
+        fraction PyTorch enforces is rounded to a float of the device's memory)."""
         limit, peak = self.max_device_memory, result.peak_device_bytes
         if limit is not None and peak is not None and peak > limit:
             raise ConfigError(f"the trial's peak device memory {peak / 2**30:.2f} GiB is above the "
                               f"limit {limit / 2**30:.2f} GiB (--max-device-memory)")
-        return result
 
 
 def _prune_if_slow(trial: optuna.Trial, step: int, epoch_seconds: float) -> None:

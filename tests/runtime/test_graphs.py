@@ -672,3 +672,22 @@ def test_a_failed_generator_repair_warns_and_does_not_raise(monkeypatch):
     with pytest.warns(RuntimeWarning, match="could not leave the CUDA generator's capture mode .*"
                                             "RuntimeError: no CUDA device here.*restart the process"):
         capture.end_generator_capture(torch.device("cuda"))
+
+
+def test_drop_graphs_clears_every_runner_of_a_module_and_its_submodules():
+    """``drop_graphs`` empties each runner under a module (a check's eval-mode pairs) and counts
+    what it dropped; a runner keeps working afterwards (it captures again as calls come)."""
+    parent, child = nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2)
+    parent.add_module("child", child)
+    runners = []
+    for module, key in ((parent, "_fastopt_graph_runner"), (child, "_fastopt_core_runner")):
+        runner = graphs.GraphRunner(graphs.GraphCapture("m"))
+        runner._graphs.update({("eval", 1): object(), ("eval", 2): object()})
+        runner.record.graphs = 2
+        module.__dict__[key] = runner
+        runners.append(runner)
+    assert graphs.drop_graphs(parent) == 4
+    assert [r.held for r in runners] == [0, 0] and [r.record.graphs for r in runners] == [0, 0]
+    assert graphs.drop_graphs(parent) == 0
+    x = torch.randn(3, 2)
+    assert torch.equal(runners[1](child, child.forward, (x,), {}), child.forward(x))  # still runs (on the CPU, plainly)

@@ -155,6 +155,61 @@ def test_a_memory_limit_on_a_device_without_an_index_is_set_on_the_current_one(m
         assert calls == before  # nothing on the CPU
 
 
+def test_a_trial_alarm_while_the_limit_is_set_is_raised_after_it_is_given_back(monkeypatch):
+    """An alarm that rings while the fraction is being set is raised once it is set, inside the
+    block that gives it back: the limit never outlives the trial (the next trial's check runs
+    without one)."""
+    import fastopt.tuner.objective as objective
+    from fastopt.tuner.objective import TrialTimeout, device_memory_limit
+
+    class Props:
+        total_memory = 100 * 2**30
+
+    calls = []
+
+    def set_fraction(fraction, device=None):
+        calls.append(fraction)
+        if fraction < 1.0:  # the trial's alarm rings here; held, it is kept for the end of the setting
+            assert objective._Held.depth > 0
+            objective._Held.rang = TrialTimeout("the trial took more than 60 s")
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props())
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    entered = []
+    with pytest.raises(TrialTimeout, match="more than 60 s"):
+        with device_memory_limit(torch.device("cuda"), 25 * 2**30):
+            entered.append(True)
+    assert calls == [0.25, 1.0] and not entered  # given back, and the block never ran
+    assert objective._Held.depth == 0 and objective._Held.rang is None
+
+
+def test_the_check_against_eager_drops_the_graphs_it_captured(small_graph, config, one_thread, monkeypatch):
+    """The check runs the optimized model in eval mode, whose CUDA graphs training never replays:
+    it drops them (whether the check passes or not), so that the window's memory does not hold them."""
+    import fastopt
+    import fastopt.runtime
+    from fastopt.errors import FastOptError
+    from fastopt.models import build_model
+    from fastopt.tuner.objective import check_against_eager
+    from fastopt.tuner.study import default_trainer
+
+    dropped = []
+    monkeypatch.setattr(fastopt.runtime, "drop_graphs", lambda module: dropped.append(module) or 0)
+    trainer = default_trainer("tgn", small_graph)(config)
+    check = check_against_eager(lambda cfg: build_model("tgn", small_graph, cfg))
+    monkeypatch.setattr(fastopt, "verify_against_eager", lambda *args: 1.0)
+    assert check(trainer) == 1.0 and dropped == [trainer.model]
+
+    def wrong(*args):
+        raise FastOptError("outputs differ")
+
+    monkeypatch.setattr(fastopt, "verify_against_eager", wrong)
+    with pytest.raises(FastOptError, match="disagree with eager"):
+        check(trainer)
+    assert dropped == [trainer.model, trainer.model]
+
+
 def test_the_memory_limit_bounds_the_window_and_not_the_check_against_eager(small_graph, config, one_thread,
                                                                            monkeypatch):
     """``--max-device-memory`` bounds what training with a config holds: the window runs under it,
@@ -212,7 +267,7 @@ def test_a_windows_peak_is_the_memory_the_allocator_held_which_the_limit_bounds(
     assert result.peak_device_bytes == 550 * 2**20 and result.timing == "cuda_events"
 
 
-def test_a_trial_whose_peak_is_above_the_limit_is_pruned_and_not_remeasured(small_graph, config, one_thread,
+def test_a_trial_whose_peak_is_above_the_limit_is_pruned_and_fails_its_remeasure(small_graph, config, one_thread,
                                                                          monkeypatch):
     """A window that stayed under PyTorch's fraction but whose peak is above ``--max-device-memory``
     (the fraction is a float of the device's memory) is pruned with both figures, in a trial and in
