@@ -674,20 +674,21 @@ def test_a_failed_generator_repair_warns_and_does_not_raise(monkeypatch):
         capture.end_generator_capture(torch.device("cuda"))
 
 
-def test_drop_graphs_clears_every_runner_of_a_module_and_its_submodules():
-    """``drop_graphs`` empties each runner under a module (a check's eval-mode pairs) and counts
-    what it dropped; a runner keeps working afterwards (it captures again as calls come)."""
-    parent, child = nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2)
-    parent.add_module("child", child)
-    runners = []
-    for module, key in ((parent, "_fastopt_graph_runner"), (child, "_fastopt_core_runner")):
-        runner = graphs.GraphRunner(graphs.GraphCapture("m"))
-        runner._graphs.update({("eval", 1): object(), ("eval", 2): object()})
-        runner.record.graphs = 2
-        module.__dict__[key] = runner
-        runners.append(runner)
-    assert graphs.drop_graphs(parent) == 4
-    assert [r.held for r in runners] == [0, 0] and [r.record.graphs for r in runners] == [0, 0]
-    assert graphs.drop_graphs(parent) == 0
-    x = torch.randn(3, 2)
-    assert torch.equal(runners[1](child, child.forward, (x,), {}), child.forward(x))  # still runs (on the CPU, plainly)
+def test_drop_graphs_clears_every_runner_of_a_module_and_its_submodules(fake_capture):
+    """``drop_graphs`` empties each runner under a module (what a check's eval-mode calls captured)
+    and counts what it dropped; the runner captures again on the next call of that signature."""
+    fast = _layer()
+    runner = fast._fastopt_graph_runner
+    other = graphs.GraphRunner(graphs.GraphCapture("child"))  # a runner on a submodule, by another name
+    child = nn.Linear(2, 2)
+    fast.add_module("extra", child)
+    child.__dict__["_fastopt_core_runner"] = other
+    for _ in range(2):  # auto: the second call of a signature captures
+        fast(*_layer_args(4))
+    assert len(fake_capture.captured) == 1 and runner.held == 1
+    other._graphs.update({("eval", 1): object(), ("eval", 2): object()})
+    assert graphs.drop_graphs(fast) == 3
+    assert runner.held == 0 and other.held == 0 and fast.fastopt_report.graphs[0].graphs == 0
+    assert graphs.drop_graphs(fast) == 0
+    fast(*_layer_args(4))  # the signature was seen: it captures again at once
+    assert len(fake_capture.captured) == 2 and runner.held == 1

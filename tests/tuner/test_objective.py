@@ -292,6 +292,9 @@ def test_a_trial_whose_peak_is_above_the_limit_is_pruned_and_fails_its_remeasure
     pruned.optimize(low, n_trials=1)
     assert pruned.trials[0].user_attrs["failure"] == ("ConfigError: the trial's peak device memory 3.00 GiB is above "
                                                        "the limit 2.00 GiB (--max-device-memory)")
+    # the window ran: its peak and phases are kept beside the reason
+    assert pruned.trials[0].user_attrs["peak_device_bytes"] == 3 * 2**30
+    assert set(pruned.trials[0].user_attrs["phases"]) == {"build", "warmup", "window"}
     with pytest.raises(ConfigError, match="above the limit 2.00 GiB"):
         low.remeasure(space.baseline())
 
