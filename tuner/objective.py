@@ -499,8 +499,8 @@ def release(collect: bool = True) -> None:
     """Free what a trial left behind (its trainer, captured graphs, cached blocks): one garbage
     collection, then the CUDA allocator's cached blocks. :func:`~fastopt.tuner.study.tune` calls
     it after each trial, once Optuna has dropped the trial's frames (a pruned trial's traceback
-    holds its trainer until then). ``collect=False``: the cached blocks alone (what a check's
-    eager model, freed when the check returned, left in the allocator)."""
+    holds its trainer until then). ``collect=False``: the cached blocks alone, before a window
+    (what the build's temporaries and a check's eager model left in the allocator)."""
     if collect:
         gc.collect()
     if torch.cuda.is_available():

@@ -130,6 +130,11 @@ def test_a_trial_cut_while_checking_is_slow_not_wrong(small_graph, config, one_t
     assert study.trials[-1].user_attrs["failure"] == "KernelError: no kernel for this mapping"
 
 
+class _Props:
+    """``torch.cuda.get_device_properties`` of a 100 GiB device."""
+    total_memory = 100 * 2**30
+
+
 def test_a_memory_limit_on_a_device_without_an_index_is_set_on_the_current_one(monkeypatch):
     """``cuda`` without an index (a trainer's default device) limits the current device: PyTorch's
     per-process fraction takes an index only."""
@@ -137,12 +142,9 @@ def test_a_memory_limit_on_a_device_without_an_index_is_set_on_the_current_one(m
 
     from fastopt.tuner.objective import device_memory_limit
 
-    class Props:
-        total_memory = 100 * 2**30
-
     calls = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: calls.append(("props", d)) or Props())
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: calls.append(("props", d)) or _Props())
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",  # the real one's argument check
                         lambda f, d=None: calls.append((f, _get_device_index(d, optional=False))))
     for device, index in ((torch.device("cuda"), 3), (torch.device("cuda", 1), 1)):
@@ -162,9 +164,6 @@ def test_a_trial_alarm_while_the_limit_is_set_is_raised_after_it_is_given_back(m
     import fastopt.tuner.objective as objective
     from fastopt.tuner.objective import TrialTimeout, device_memory_limit
 
-    class Props:
-        total_memory = 100 * 2**30
-
     calls = []
 
     def set_fraction(fraction, device=None):
@@ -174,7 +173,7 @@ def test_a_trial_alarm_while_the_limit_is_set_is_raised_after_it_is_given_back(m
             objective._Held.rang = TrialTimeout("the trial took more than 60 s")
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props())
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: _Props())
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
     entered = []
     with pytest.raises(TrialTimeout, match="more than 60 s"):
