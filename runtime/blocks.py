@@ -33,7 +33,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 import torch
 
-__all__ = ["TemporalBlock", "SampledBatch", "Unique", "merge_repeats"]
+__all__ = ["TemporalBlock", "SampledBatch", "Unique", "merge_repeats", "node_set", "set_inverse"]
 
 
 @dataclass
@@ -131,3 +131,27 @@ def merge_repeats(block: TemporalBlock, num_edges: int, pad: Optional[Callable[[
     if nbr.size == 0:  # no slots at all: padding rows of node 0 at time 0
         return torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.float64), torch.from_numpy(valid)
     return torch.from_numpy(nbr[row_slots]), torch.from_numpy(times[row_slots]), torch.from_numpy(valid)
+
+
+def node_set(blocks, j: int):
+    """Node set ``S_j`` (``j >= 1``) of a sampled batch and its times: the next block's
+    destinations where layer ``j - 1``'s repeats were merged, else layer ``j - 1``'s slots."""
+    if blocks[j - 1].nbr_rows is not None:
+        return blocks[j].dst_nodes, blocks[j].dst_times
+    return blocks[j - 1].nbr_nodes.reshape(-1), blocks[j - 1].nbr_times.reshape(-1)
+
+
+def set_inverse(inverse: torch.Tensor, num_roots: int, blocks) -> torch.Tensor:
+    """The batch's node inverse (laid out over the roots and every layer's slots) laid out over
+    the node sets: a merged layer's set reads the inverse of the slot each of its rows came from."""
+    if all(b.nbr_rows is None for b in blocks):
+        return inverse
+    # NumPy, not torch: small host arrays on a staging thread, where torch's operators pay their
+    # dispatch and its intra-op thread pool contends with the sampler's threads (8x here)
+    inverse = inverse.numpy()
+    parts, start = [inverse[:num_roots]], num_roots
+    for block in blocks:
+        seg = inverse[start:start + block.mask.numel()]
+        start += block.mask.numel()
+        parts.append(seg if block.nbr_rows is None else seg[block.row_slots.numpy()])
+    return torch.from_numpy(np.concatenate(parts))

@@ -18,7 +18,7 @@ plan -> sample -> stage -> :class:`~fastopt.runtime.GraphInputs`, ahead of the s
   :class:`~fastopt.runtime.epoch.EpochStream`); the compiled
   sampler runs without the GIL. With ``sampler.hop_dedup`` a layer's repeated slots are one
   node of the next layer (``GraphInputs.nbr_index``).
-* **Stage.** Ids, times and masks are packed per dtype into pinned host buffers and copied on a
+* **Stage.** Ids, times and masks are packed into one pinned host buffer and copied at once on a
   dedicated CUDA stream; an event recorded after the copy lets the compute stream wait for that
   copy alone (never a host ``synchronize``). Static features come from the tables where
   ``cache.placement`` puts them: ``device`` (the whole table on the device, rows gathered there),
@@ -56,10 +56,10 @@ import torch
 
 from fastopt.config import Config
 from fastopt.errors import CacheError
-from fastopt.runtime.blocks import SampledBatch, Unique
+from fastopt.runtime.blocks import SampledBatch, Unique, node_set, set_inverse
 from fastopt.runtime.epoch import EpochStream
 from fastopt.runtime.inputs import GraphInputs, HighWater
-from fastopt.runtime.staging import pin_if_room
+from fastopt.runtime.staging import pack_tensors, pin_if_room, unpack_tensors
 from fastopt.runtime.streams import copy_stream
 from fastopt.runtime.timing import StageTimer
 
@@ -133,6 +133,8 @@ class _Staged:
     tensors: Dict[str, object] = field(default_factory=dict)
     event: Optional[torch.cuda.Event] = None
     pending: Optional[object] = None  # SlimCache.stage() of the edge features, finished on use
+    owners: List[torch.Tensor] = field(default_factory=list)  # device allocations (CUDA): recorded on use
+    event_rows: int = 0  # rows of the batch's events read after its edge rows (zero-copy reads)
 
 
 class Loader:
@@ -375,7 +377,7 @@ class Loader:
         floats32: Dict[str, torch.Tensor] = {}
         bools: Dict[str, torch.Tensor] = {}
         for i, block in enumerate(blocks):
-            ints[f"set{i + 1}"], floats64[f"stime{i + 1}"] = _node_set(blocks, i + 1)
+            ints[f"set{i + 1}"], floats64[f"stime{i + 1}"] = node_set(blocks, i + 1)
             ints[f"eid{i}"] = block.nbr_eids
             floats32[f"dt{i}"] = block.dt
             bools[f"mask{i}"] = block.mask
@@ -385,7 +387,7 @@ class Loader:
         if unique is None:
             unique = batch.root_nodes if batch.root_nodes is not None else Unique.of(ints["roots"])
         ints["unique_nodes"] = self._padded(unique.values, "nodes", ints["roots"].numel(), batch)
-        ints["node_inverse"] = _set_inverse(unique.inverse.reshape(-1), ints["roots"].numel(), blocks)
+        ints["node_inverse"] = set_inverse(unique.inverse.reshape(-1), ints["roots"].numel(), blocks)
         staged = _Staged(batch, len(blocks))
         if (self.placement == "device" or self.zero_copy) and self._pads_edges(batch):
             ints["edge_unique"] = self._unique_edge_ids(batch, ints)
@@ -407,6 +409,11 @@ class Loader:
             out["node_rows"] = {"node_rows": self._gather_host(self.node_table, ids)}
         if self.edge_table is not None:
             rows = {"event_rows": self.edge_table[batch.start:batch.stop]}
+            if self.zero_copy and "edge_unique" in ints and batch.size and \
+                    self.cache.host("edge").dtype == self.edge_table.dtype:  # read after the edge rows, in one launch
+                ints["edge_unique"] = torch.from_numpy(np.concatenate(
+                    [ints["edge_unique"].numpy(), np.arange(batch.start, batch.stop, dtype=np.int64)]))
+                staged.event_rows, rows = batch.size, {}
             if blocks and "edge_unique" not in ints:  # (else read zero-copy in _upload)
                 # an epoch's batches go through the cache; an ad-hoc batch (index -1: inputs_for)
                 # reads its rows directly and leaves the cache's contents and plan as they are
@@ -428,29 +435,26 @@ class Loader:
         return out
 
     def _upload(self, staged: _Staged, groups: Dict[str, Dict[str, torch.Tensor]]) -> None:
-        """Copies on the copy stream: the small tensors of a group packed into one pinned buffer
-        and copied at once; rows already gathered into pinned memory copied as they are."""
+        """Copies on the copy stream: every small tensor of the batch packed into one pinned
+        buffer and copied at once (:func:`pack_tensors`); rows already gathered into pinned
+        memory copied as they are. ``staged.owners``: the device allocations its tensors view."""
         if not self.cuda:
             for group in groups.values():
                 staged.tensors.update(group)
             return
+        tensors = {k: t for group in groups.values() for k, t in group.items()}
+        small = [k for k, t in tensors.items() if not t.is_pinned()]
         with torch.cuda.stream(self._copy_stream):
-            for group in groups.values():
-                if not group:
-                    continue
-                tensors = list(group.values())
-                if all(t.is_pinned() for t in tensors):
-                    moved = [t.to(self.device, non_blocking=True) for t in tensors]
-                else:  # one dtype per group (the loader builds them so)
-                    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=True)
-                    np.concatenate([t.numpy().reshape(-1) for t in tensors], out=flat.numpy())
-                    dev = flat.to(self.device, non_blocking=True)
-                    moved = [piece.view(t.shape) for piece, t in
-                             zip(torch.split(dev, [t.numel() for t in tensors]), tensors)]
-                moved_bytes = sum(t.numel() * t.element_size() for t in tensors)
-                with self._bytes_lock:  # staging threads upload concurrently: no update lost
-                    self.bytes_h2d += moved_bytes
-                staged.tensors.update(zip(group.keys(), moved))
+            moved = {k: tensors[k].to(self.device, non_blocking=True) for k in tensors if k not in small}
+            staged.owners = list(moved.values())
+            if small:
+                packed, layout = pack_tensors([tensors[k] for k in small], pinned=True)
+                dev = packed.to(self.device, non_blocking=True)
+                staged.owners.append(dev)
+                moved.update(zip(small, unpack_tensors(dev, layout)))
+            with self._bytes_lock:  # staging threads upload concurrently: no update lost
+                self.bytes_h2d += sum(t.numel() * t.element_size() for t in tensors.values())
+            staged.tensors.update((k, moved[k]) for k in tensors)  # in the groups' order
             self._read_rows(staged)
             staged.event = torch.cuda.Event()
             staged.event.record(self._copy_stream)
@@ -458,24 +462,31 @@ class Loader:
     def _read_rows(self, staged: _Staged) -> None:
         """Rows the device reads itself (on the stream this is called on): from device tables, or
         through SlimCache's zero-copy reads (an ad-hoc batch, index -1, counts nothing there)."""
+        t = staged.tensors
         if self.placement == "device":
             self._gather_device(staged)
-        elif "edge_unique" in staged.tensors:
-            staged.tensors["edge_rows"] = self.cache.serve(
-                "edge", staged.tensors["edge_unique"], unique=staged.batch.sampled.unique_eids,
-                counted=staged.batch.index >= 0)
+        elif "edge_unique" in t:
+            rows = self.cache.serve("edge", t["edge_unique"], unique=staged.batch.sampled.unique_eids,
+                                    counted=staged.batch.index >= 0)
+            staged.owners.append(rows)
+            t["edge_rows"] = rows[:rows.shape[0] - staged.event_rows]
+            if staged.event_rows:  # the batch's own events' rows, read in the same launch
+                t["event_rows"] = rows[rows.shape[0] - staged.event_rows:]
 
     def _gather_device(self, staged: _Staged) -> None:
         """Per-slot feature rows from device tables (on the stream this is called on)."""
         t, batch = staged.tensors, staged.batch
         if self.node_table is not None:
             t["node_feat"] = [self.node_table[n.clamp(min=0)] for n in _sets(t, staged.layers)]
+            staged.owners += t["node_feat"]
         if self.edge_table is not None:
             if "edge_unique" in t:
                 t["edge_rows"] = self.edge_table[t["edge_unique"]]
+                staged.owners.append(t["edge_rows"])
             else:
                 t["edge_feat"] = [self.edge_table[t[f"eid{i}"].clamp(min=0)] for i in range(staged.layers)]
-            t["event_rows"] = self.edge_table[batch.start:batch.stop]
+                staged.owners += t["edge_feat"]
+            t["event_rows"] = self.edge_table[batch.start:batch.stop]  # a view of the table: kept
 
     def finish(self, staged: _Staged) -> EventBatch:
         """Make the current stream wait for ``staged``'s copies; build the model's inputs."""
@@ -483,9 +494,8 @@ class Loader:
         if staged.event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(staged.event)
-            for value in t.values():
-                for tensor in value if isinstance(value, list) else [value]:
-                    tensor.record_stream(current)
+            for tensor in staged.owners:  # the allocations the batch's tensors are views of
+                tensor.record_stream(current)
         if not self.cuda:
             self._read_rows(staged)
         layers = staged.layers
@@ -568,30 +578,6 @@ def _takes_batch_key(sampler) -> bool:
         return "batch" in inspect.signature(sampler.sample).parameters
     except (TypeError, ValueError):  # no introspectable signature
         return False
-
-
-def _node_set(blocks, j: int):
-    """Node set ``S_j`` (``j >= 1``) of a sampled batch and its times: the next block's
-    destinations where layer ``j - 1``'s repeats were merged, else layer ``j - 1``'s slots."""
-    if blocks[j - 1].nbr_rows is not None:
-        return blocks[j].dst_nodes, blocks[j].dst_times
-    return blocks[j - 1].nbr_nodes.reshape(-1), blocks[j - 1].nbr_times.reshape(-1)
-
-
-def _set_inverse(inverse: torch.Tensor, num_roots: int, blocks) -> torch.Tensor:
-    """The batch's node inverse (laid out over the roots and every layer's slots) laid out over
-    the node sets: a merged layer's set reads the inverse of the slot each of its rows came from."""
-    if all(b.nbr_rows is None for b in blocks):
-        return inverse
-    # NumPy, not torch: small host arrays on a staging thread, where torch's operators pay their
-    # dispatch and its intra-op thread pool contends with the sampler's threads (8x here)
-    inverse = inverse.numpy()
-    parts, start = [inverse[:num_roots]], num_roots
-    for block in blocks:
-        seg = inverse[start:start + block.mask.numel()]
-        start += block.mask.numel()
-        parts.append(seg if block.nbr_rows is None else seg[block.row_slots.numpy()])
-    return torch.from_numpy(np.concatenate(parts))
 
 
 def _sets(t: Dict[str, torch.Tensor], layers: int) -> List[torch.Tensor]:

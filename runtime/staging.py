@@ -31,7 +31,8 @@ import torch
 from fastopt.runtime.streams import copy_stream
 from fastopt.runtime.validate import host_memory_bytes
 
-__all__ = ["HostGatherer", "StagingBuffers", "TransferStream", "available_ram", "pin_if_room", "pinned_copy"]
+__all__ = ["HostGatherer", "StagingBuffers", "TransferStream", "available_ram", "pack_tensors", "pin_if_room",
+           "pinned_copy", "unpack_tensors"]
 
 # Below this many rows per thread, handing work to the pool costs more than it saves.
 _MIN_ROWS_PER_THREAD = 2048
@@ -158,6 +159,33 @@ class TransferStream:
         for t in tensors:
             # Allocated on the copy stream, used on this one: keep the memory until this use ends.
             t.record_stream(current)
+
+
+def pack_tensors(tensors: Sequence[torch.Tensor], pinned: bool) -> Tuple[torch.Tensor, List[tuple]]:
+    """Host tensors of any dtypes in one byte buffer (pinned for an asynchronous upload): one
+    copy moves them all, one allocation holds them on the device, one stream record keeps it.
+
+    Each tensor's bytes start at a multiple of its element size (widest elements first), so that
+    :func:`unpack_tensors` can view them in their dtypes. Returns the buffer and the layout."""
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())  # stable
+    layout: List[tuple] = [None] * len(tensors)
+    start = 0
+    for i in order:
+        t = tensors[i]
+        n = t.numel() * t.element_size()
+        layout[i] = (start, n, t.dtype, tuple(t.shape))
+        start += n
+    packed = torch.empty(start, dtype=torch.uint8, pin_memory=pinned)
+    out = packed.numpy()
+    for t, (at, n, _, _) in zip(tensors, layout):
+        if n:  # NumPy's copy, not torch's: no dispatch or intra-op threads on a staging thread
+            out[at:at + n] = t.numpy().reshape(-1).view(np.uint8)
+    return packed, layout
+
+
+def unpack_tensors(packed: torch.Tensor, layout: Sequence[tuple]) -> List[torch.Tensor]:
+    """:func:`pack_tensors`'s tensors as views of ``packed`` (on any device)."""
+    return [packed[at:at + n].view(dtype).view(shape) for at, n, dtype, shape in layout]
 
 
 def available_ram() -> int:

@@ -38,13 +38,13 @@ import torch
 from fastopt.errors import CacheError
 from fastopt.runtime.blocks import Unique
 from fastopt.runtime.cache_policy import AccessPlan, SlotDirectory, hot_set, make_policy
-from fastopt.runtime.staging import HostGatherer, StagingBuffers, TransferStream
+from fastopt.runtime.staging import HostGatherer, StagingBuffers, TransferStream, pack_tensors, unpack_tensors
 
 # Rows a hot-set install loads per staging buffer (a cache of millions of slots is filled in parts).
 _INSTALL_ROWS = 1 << 16
 
 __all__ = ["CacheTable", "UniqueRows", "PendingRows", "CacheCounters", "TableCache", "Ids",
-           "check_table", "pack_index", "unpack_index", "admitted_first"]
+           "check_table", "admitted_first"]
 
 Ids = Union[torch.Tensor, Unique, Sequence[int]]
 
@@ -288,13 +288,12 @@ class TableCache:
             dirty = plan.evict_dirty.numpy()
             dirty_slots = plan.evict_slots.numpy()[dirty]
             dirty_ids = torch.from_numpy(plan.evict_ids.numpy()[dirty])
-        parts = [inverse.reshape(-1).numpy(), src, dst, plan.admit_slots.numpy(), map_ids,
-                 dirty_slots]
-        packed, sizes = pack_index(parts, map_slots, pinned=transfer.is_cuda)
+        parts = [inverse.numpy(), src, dst, plan.admit_slots.numpy(), map_ids, dirty_slots]
+        parts = [torch.from_numpy(np.ascontiguousarray(p, dtype=np.int64)) for p in parts]
+        packed, layout = pack_tensors(parts + [torch.from_numpy(map_slots)], pinned=transfer.is_cuda)
         (dev_packed, staged), event = transfer.upload([packed, buf])
         self.staging.release_after(turn, event)
-        device_index = unpack_index(dev_packed, sizes, map_slots.size)
-        device_index[0] = device_index[0].reshape(inverse.shape)
+        device_index = unpack_tensors(dev_packed, layout)
         pending = PendingRows(self.name, self.seq, values, pad, plan, device_index, staged, event,
                               dirty_ids)
         self.seq += 1
@@ -516,28 +515,3 @@ def admitted_first(admit_sel: np.ndarray, m: int) -> np.ndarray:
     bypass = np.ones(m, dtype=bool)
     bypass[admit_sel] = False
     return np.concatenate([admit_sel, np.flatnonzero(bypass)])
-
-
-def pack_index(parts: Sequence[np.ndarray], tail32: np.ndarray, pinned: bool,
-               ) -> Tuple[torch.Tensor, List[int]]:
-    """Integer vectors in one int64 host buffer (pinned for an asynchronous upload): ``parts``
-    one after another, then ``tail32`` as int32, two to a word; returns it and the parts' sizes."""
-    sizes = [int(p.size) for p in parts]
-    total = sum(sizes)
-    packed = torch.empty(total + (tail32.size + 1) // 2, dtype=torch.int64, pin_memory=pinned)
-    out = packed.numpy()
-    start = 0
-    for p, n in zip(parts, sizes):
-        out[start:start + n] = p.reshape(-1)
-        start += n
-    out[total:].view(np.int32)[:tail32.size] = tail32
-    return packed, sizes
-
-
-def unpack_index(packed: torch.Tensor, sizes: Sequence[int], tail32: int) -> List[torch.Tensor]:
-    """:func:`pack_index`'s vectors as views of ``packed`` (on any device): the parts, then the
-    int32 tail."""
-    total = sum(sizes)
-    out = list(torch.split(packed[:total], list(sizes)))
-    out.append(packed[total:].view(torch.int32)[:tail32])
-    return out

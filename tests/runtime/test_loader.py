@@ -126,6 +126,42 @@ def test_host_placement_on_cuda_gives_the_device_paths_inputs_bitwise(small_grap
         assert all(torch.equal(x, y) for x, y in zip(h, d, strict=True))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("placement,host_reads,edge_rows", [("device", "auto", True), ("device", "auto", False),
+                                                            ("host", "zero_copy", True), ("host", "staged", True)])
+def test_every_staged_device_tensor_lives_in_an_allocation_the_consumer_records(small_graph, placement,
+                                                                                host_reads, edge_rows):
+    """The consumer records only a staged batch's owners on its stream: every device tensor the
+    batch holds must be one of them or a view of one (or of a table the loader keeps), else its
+    memory could be handed out again while the step still reads it."""
+    from fastopt.codegen import cached_rows
+
+    cfg = config(cache__placement=placement, cache__host_reads=host_reads, cache__budget_fraction=0.2,
+                 train__device="cuda")
+    loader = Loader(small_graph, NumpySampler(small_graph, [3, 2], "uniform", seed=5), torch.device("cuda"),
+                    cfg, edge_rows=edge_rows, read_rows=cached_rows)
+    kept = [t for t in (loader.edge_table, loader.node_table) if t is not None and t.is_cuda]
+    finish, checked = loader.finish, []
+
+    def checked_finish(staged):
+        owned = {t.untyped_storage().data_ptr() for t in staged.owners + kept}
+        for name, value in staged.tensors.items():
+            for t in value if isinstance(value, list) else [value]:
+                assert t.device.type == "cuda" and (t.numel() == 0 or t.untyped_storage().data_ptr() in owned), name
+        t = staged.tensors
+        if placement == "host" and host_reads == "zero_copy":  # the events' rows came with the edge rows
+            assert t["event_rows"].untyped_storage().data_ptr() == t["edge_rows"].untyped_storage().data_ptr()
+        checked.append(len(staged.owners))
+        return finish(staged)
+
+    loader.finish = checked_finish
+    with loader.epoch("train", 0) as batches:
+        assert all(b.inputs is not None for b in batches)
+    # one packed upload, plus the rows read on the device and those gathered into pinned memory
+    assert checked and max(checked) <= 6
+
+
 @pytest.fixture
 def mapped_graph(tmp_path, small_graph):
     """:func:`small_graph` written as a graph folder and read back memory-mapped."""

@@ -17,7 +17,8 @@ from fastopt.config import CacheConfig
 from fastopt.errors import CacheError, FastOptError
 from fastopt.runtime import CacheTable, SlimCache, Unique, belady_optimum
 from fastopt.runtime.staging import HostGatherer
-from fastopt.runtime.table_cache import admitted_first, pack_index, unpack_index
+from fastopt.runtime.staging import pack_tensors, unpack_tensors
+from fastopt.runtime.table_cache import admitted_first
 
 POLICIES = ["static", "lru", "future", "auto"]
 # Fractions of the tables' bytes: nothing, a few rows, part, everything.
@@ -534,15 +535,20 @@ def test_admitted_misses_are_staged_first_in_order(admit, m, order):
     assert got.tolist() == order
 
 
-@pytest.mark.parametrize("tail", [[], [-1], [-1, 7, 2**31 - 1]])
-def test_index_vectors_travel_packed_in_one_int64_buffer(tail):
-    parts = [np.array([3, -1, 5]), np.empty(0, dtype=np.int64), np.array([[2**40], [0]])]
-    packed, sizes = pack_index(parts, np.array(tail, dtype=np.int32), pinned=False)
-    assert packed.dtype == torch.int64 and sizes == [3, 0, 2]
-    *got, got32 = unpack_index(packed, sizes, len(tail))
-    for p, g in zip(parts, got, strict=True):
-        assert g.tolist() == p.reshape(-1).tolist()
-    assert got32.dtype == torch.int32 and got32.tolist() == tail
+@pytest.mark.parametrize("order", [[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [3, 0, 5, 1, 4, 2]])
+def test_tensors_of_any_dtypes_travel_packed_in_one_byte_buffer(order):
+    """Each tensor comes back with its dtype, shape and bits (a negative zero and -1 included),
+    in the order given, whatever order the dtypes come in; a non-contiguous one is packed whole."""
+    tensors = [torch.tensor([3, -1, 2**40]), torch.empty(0, 3, dtype=torch.int64),
+               torch.tensor([[-0.0, 1.5], [float("inf"), -2.0]]), torch.tensor([True, False, True]),
+               torch.arange(12, dtype=torch.int32).reshape(3, 4)[:, 1:3], torch.tensor([0.1], dtype=torch.float64)]
+    tensors = [tensors[i] for i in order]
+    packed, layout = pack_tensors(tensors, pinned=False)
+    assert packed.dtype == torch.uint8 and packed.numel() == sum(t.numel() * t.element_size() for t in tensors)
+    got = unpack_tensors(packed.clone(), layout)
+    for t, g in zip(tensors, got, strict=True):
+        assert g.dtype == t.dtype and g.shape == t.shape
+        assert torch.equal(g.reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8))
 
 
 def test_a_static_hot_set_refresh_writes_dirty_rows_home_before_reusing_their_slots():
