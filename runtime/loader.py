@@ -395,8 +395,8 @@ class Loader:
         if self.placement != "device" or self.edge_table is None or "edge_unique" in ints:
             for i in range(len(blocks)):  # edge ids are read on the device by per-slot gathers only
                 del ints[f"eid{i}"]
-        self._upload(staged, {"i64": ints, "f64": floats64, "f32": floats32, "bool": bools,
-                              **host_feats})
+        self._upload(staged, {**ints, **floats64, **floats32, **bools},
+                     {k: t for group in host_feats.values() for k, t in group.items()})
         return staged
 
     def _host_features(self, batch: EventBatch, blocks, ints, staged: _Staged) -> Dict[str, Dict[str, torch.Tensor]]:
@@ -434,27 +434,29 @@ class Loader:
         torch.index_select(table, 0, ids, out=out)
         return out
 
-    def _upload(self, staged: _Staged, groups: Dict[str, Dict[str, torch.Tensor]]) -> None:
-        """Copies on the copy stream: every small tensor of the batch packed into one pinned
-        buffer and copied at once (:func:`pack_tensors`); rows already gathered into pinned
-        memory copied as they are. ``staged.owners``: the device allocations its tensors view."""
+    def _upload(self, staged: _Staged, small: Dict[str, torch.Tensor], rows: Dict[str, torch.Tensor]) -> None:
+        """Copies on the copy stream: the ``small`` tensors (ids, times, masks: from NumPy) and
+        any ``rows`` not gathered into pinned memory packed into one pinned buffer and copied at
+        once (:func:`pack_tensors`); pinned rows copied as they are. ``staged.owners``: the
+        device allocations its tensors view."""
         if not self.cuda:
-            for group in groups.values():
-                staged.tensors.update(group)
+            staged.tensors.update(small)
+            staged.tensors.update(rows)
             return
-        tensors = {k: t for group in groups.values() for k, t in group.items()}
-        small = [k for k, t in tensors.items() if not t.is_pinned()]
+        packed = dict(small)
         with torch.cuda.stream(self._copy_stream):
-            moved = {k: tensors[k].to(self.device, non_blocking=True) for k in tensors if k not in small}
-            staged.owners = list(moved.values())
-            if small:
-                packed, layout = pack_tensors([tensors[k] for k in small], pinned=True)
-                dev = packed.to(self.device, non_blocking=True)
-                staged.owners.append(dev)
-                moved.update(zip(small, unpack_tensors(dev, layout)))
+            for k, t in rows.items():
+                if t.is_pinned():
+                    staged.tensors[k] = t.to(self.device, non_blocking=True)
+                    staged.owners.append(staged.tensors[k])
+                else:
+                    packed[k] = t
+            host, layout = pack_tensors(list(packed.values()), pinned=True)
+            dev = host.to(self.device, non_blocking=True)
+            staged.owners.append(dev)
+            staged.tensors.update(zip(packed, unpack_tensors(dev, layout)))
             with self._bytes_lock:  # staging threads upload concurrently: no update lost
-                self.bytes_h2d += sum(t.numel() * t.element_size() for t in tensors.values())
-            staged.tensors.update((k, moved[k]) for k in tensors)  # in the groups' order
+                self.bytes_h2d += sum(t.numel() * t.element_size() for t in (*small.values(), *rows.values()))
             self._read_rows(staged)
             staged.event = torch.cuda.Event()
             staged.event.record(self._copy_stream)

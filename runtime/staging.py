@@ -165,27 +165,38 @@ def pack_tensors(tensors: Sequence[torch.Tensor], pinned: bool) -> Tuple[torch.T
     """Host tensors of any dtypes in one byte buffer (pinned for an asynchronous upload): one
     copy moves them all, one allocation holds them on the device, one stream record keeps it.
 
-    Each tensor's bytes start at a multiple of its element size (widest elements first), so that
-    :func:`unpack_tensors` can view them in their dtypes. Returns the buffer and the layout."""
-    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())  # stable
-    layout: List[tuple] = [None] * len(tensors)
+    The tensors of one dtype lie side by side, the widest elements first, so that each run starts
+    at a multiple of its element size and :func:`unpack_tensors` views it in its dtype at once.
+    Returns the buffer and the layout (per run: its byte range, dtype and tensors)."""
+    order = sorted(range(len(tensors)), key=lambda i: (-tensors[i].element_size(), str(tensors[i].dtype)))
+    layout: List[tuple] = []
     start = 0
     for i in order:
         t = tensors[i]
-        n = t.numel() * t.element_size()
-        layout[i] = (start, n, t.dtype, tuple(t.shape))
-        start += n
+        if not layout or layout[-1][2] != t.dtype:
+            layout.append([start, start, t.dtype, []])
+        layout[-1][3].append((i, t.numel(), tuple(t.shape)))
+        start += t.numel() * t.element_size()
+        layout[-1][1] = start
     packed = torch.empty(start, dtype=torch.uint8, pin_memory=pinned)
     out = packed.numpy()
-    for t, (at, n, _, _) in zip(tensors, layout):
-        if n:  # NumPy's copy, not torch's: no dispatch or intra-op threads on a staging thread
-            out[at:at + n] = t.numpy().reshape(-1).view(np.uint8)
+    for begin, _, dtype, members in layout:
+        for i, n, _ in members:  # NumPy's copy, not torch's: no dispatch or intra-op threads here
+            n *= dtype.itemsize
+            out[begin:begin + n] = tensors[i].numpy().reshape(-1).view(np.uint8)
+            begin += n
     return packed, layout
 
 
 def unpack_tensors(packed: torch.Tensor, layout: Sequence[tuple]) -> List[torch.Tensor]:
-    """:func:`pack_tensors`'s tensors as views of ``packed`` (on any device)."""
-    return [packed[at:at + n].view(dtype).view(shape) for at, n, dtype, shape in layout]
+    """:func:`pack_tensors`'s tensors, in the order given there, as views of ``packed`` (on any
+    device): one view and one split per dtype, one view per tensor."""
+    out: List[Optional[torch.Tensor]] = [None] * sum(len(run[3]) for run in layout)
+    for begin, end, dtype, members in layout:
+        pieces = torch.split(packed[begin:end].view(dtype), [n for _, n, _ in members])
+        for (i, _, shape), piece in zip(members, pieces):
+            out[i] = piece.view(shape)
+    return out
 
 
 def available_ram() -> int:

@@ -215,9 +215,14 @@ class TableCache:
         self.directory = SlotDirectory(self.num_rows, capacity, pol)
         self.slots = torch.empty((capacity,) + self.row_shape, dtype=self.dtype, device=self.device)
         self.slot_map = torch.full((self.num_rows,), -1, dtype=torch.int32, device=self.device)
-        # what zero-copy reads pass as slots: the kernel takes none that are empty
+        # what zero-copy reads pass as slots: the kernel takes none that are empty; a reader
+        # that checks the cache's tensors once (read_rows.bind), where the kernel offers one
         self._read_slots = self.slots if capacity else torch.zeros((1,) + self.row_shape, dtype=self.dtype,
                                                                    device=self.device)
+        if self.read_rows is not None:
+            bind = getattr(self.read_rows, "bind", None)
+            self._reader = (bind(self.slot_map, self._read_slots, self.host) if bind is not None else
+                            lambda ids: self.read_rows(ids, self.slot_map, self._read_slots, self.host))
 
     def unique_of(self, ids: Ids) -> tuple:
         """(sorted unique ids, inverse, pad) of ``ids``, checked against the table's range."""
@@ -345,7 +350,7 @@ class TableCache:
         set (``counted=False``: a lookup outside the epoch, neither)."""
         if counted:  # NumPy on a staging thread: torch's intra-op pool would contend with the sampler's
             self._count(values, requested, int(np.count_nonzero(self.directory.slot_of.numpy()[values.numpy()] >= 0)))
-        rows = self.read_rows(ids, self.slot_map, self._read_slots, self.host)
+        rows = self._reader(ids)
         return rows.reshape(-1) if self.is_1d else rows
 
     def _count(self, values: torch.Tensor, requested: int, hits: int, announced: bool = True) -> None:

@@ -10,6 +10,7 @@ kernel does not (CPU tensors with the ``auto`` backend, ``backend = "reference"`
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -20,13 +21,18 @@ from fastopt.codegen.kernel_config import KernelConfig, next_power_of_2
 from fastopt.codegen.library import select_backend
 from fastopt.errors import KernelError
 
-__all__ = ["cached_rows", "reference"]
+__all__ = ["cached_rows", "bind", "reference"]
 
 # Elements of one program's [block_r, block_d] tile: enough rows in flight per program to hide the
 # latency of reads that cross the bus.
 ROWS_TILE = 4096
 # Widest column block; wider rows take several in turn.
 MAX_BLOCK_D = 256
+# Most programs a read launches, each looping over row tiles: reads that wait on the bus for
+# microseconds then occupy at most this many of the GPU's multiprocessors (132 on an H200)
+# beside the training step's kernels, and still keep enough rows in flight to fill the bus
+# (64 x 16 rows x 172 floats: 700 KB, against about 130 KB that PCIe 5 needs at 2 us).
+MAX_PROGRAMS = 64
 
 
 def reference(ids: Tensor, slot_map: Tensor, slots: Tensor, table: Tensor) -> Tensor:
@@ -69,11 +75,38 @@ def cached_rows(ids: Tensor, slot_map: Tensor, slots: Tensor, table: Tensor,
     is a GPU and the generated kernel runs (it reads the host rows directly). Ids must be valid
     rows (no padding value): the kernel does not check them.
 
+    ``cached_rows.bind(slot_map, slots, table)`` (:func:`bind`) returns ``read(ids, out=None)``
+    for one cache, its tensors checked once.
+
     Raises:
         KernelError: shapes or dtypes that do not fit together, or a host table with no kernel to
             read it (triton missing, or ``kernels.backend = "reference"``).
     """
     _check(ids, slot_map, slots, table, out)
+    return _read(ids, slot_map, slots, table, out, pinned=None)
+
+
+def bind(slot_map: Tensor, slots: Tensor, table: Tensor):
+    """:func:`cached_rows` over one cache, checked once: ``read(ids, out=None)`` then checks only
+    the ids (SlimCache's zero-copy reads call it for every batch, on a staging thread)."""
+    ids0 = torch.zeros(0, dtype=torch.int64, device=slot_map.device)
+    _check(ids0, slot_map, slots, table, None)
+    pinned = table.is_pinned() if table.device != slot_map.device else False  # asked once (a driver call)
+
+    def read(ids: Tensor, out: Optional[Tensor] = None) -> Tensor:
+        if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or ids.device != slot_map.device:
+            _check(ids, slot_map, slots, table, out)  # raises, naming what is wrong
+        return _read(ids, slot_map, slots, table, out, pinned)
+
+    return read
+
+
+cached_rows.bind = bind
+
+
+def _read(ids: Tensor, slot_map: Tensor, slots: Tensor, table: Tensor, out: Optional[Tensor],
+          pinned: Optional[bool]) -> Tensor:
+    """:func:`cached_rows` once checked (``pinned``: whether the table is, None to ask)."""
     if select_backend(ids) != "triton":
         if table.device != ids.device:
             raise KernelError(f"a table on {table.device} read by ids on {ids.device} needs the "
@@ -81,21 +114,32 @@ def cached_rows(ids: Tensor, slot_map: Tensor, slots: Tensor, table: Tensor,
                               f"installed); move the table to {ids.device} instead")
         rows = reference(ids, slot_map, slots, table)
         return rows if out is None else out.copy_(rows)
-    if table.device != ids.device and not (ids.is_cuda and table.is_pinned()):
+    if table.device != ids.device and not (ids.is_cuda and (table.is_pinned() if pinned is None else pinned)):
         raise KernelError(f"the table is on {table.device} and not pinned, so {ids.device} cannot "
                           f"read it; pin it (table.pin_memory()) or move it to {ids.device}")
     row_shape = tuple(table.shape[1:])
-    width = 1
-    for s in row_shape:
-        width *= s
     n = ids.numel()
     if out is None:
         out = kernels.empty((n,) + row_shape, table.dtype, ids.device)
+    width = math.prod(row_shape)
     if n == 0 or width == 0:
         return out
-    block_d = min(next_power_of_2(width), MAX_BLOCK_D)
-    block_r = max(1, ROWS_TILE // block_d)
-    cfg = KernelConfig(block_m=block_r, block_d=block_d, num_warps=4, num_stages=1)
-    kernel = kernels.fixed("cached_rows", ids.device, cfg, D=width, block_r=block_r, block_d=block_d)
-    kernel.launch((-(-n // block_r), 1), ids, slot_map, slots, table, out, n)
+    kernel, block_r = _kernel(ids.device, width)
+    kernel.launch((min(-(-n // block_r), MAX_PROGRAMS), 1), ids, slot_map, slots, table, out, n)
     return out
+
+
+def _kernel(device: torch.device, width: int):
+    """The kernel for rows of ``width`` elements and the rows one program reads (memoized by
+    :func:`kernels.fixed`; the mapping is worked out here once per width)."""
+    key = (device, width)
+    hit = _MAPPINGS.get(key)
+    if hit is None:
+        block_d = min(next_power_of_2(width), MAX_BLOCK_D)
+        block_r = max(1, ROWS_TILE // block_d)
+        hit = _MAPPINGS[key] = (KernelConfig(block_m=block_r, block_d=block_d, num_warps=4, num_stages=1), block_r, block_d)
+    cfg, block_r, block_d = hit
+    return kernels.fixed("cached_rows", device, cfg, D=width, block_r=block_r, block_d=block_d), block_r
+
+
+_MAPPINGS: dict = {}

@@ -42,6 +42,18 @@ def test_cached_rows_equal_the_table_bit_for_bit(rows, width, dtype, device):
                        want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
 
 
+def test_programs_that_loop_over_several_row_tiles_read_every_row(device, monkeypatch):
+    """Fewer programs than row tiles (as on a GPU for a large batch): each takes every third
+    tile, the last one partial, and every row is read once."""
+    from fastopt.codegen.families import cached_rows as module
+
+    monkeypatch.setattr(module, "MAX_PROGRAMS", 3)
+    table = torch.randn(100, 172)
+    slot_map, slots = _cache(table, torch.arange(0, 100, 3), device)
+    ids = torch.randint(0, 100, (16 * 7 + 5,))  # 16 rows a tile at this width: 8 tiles
+    assert torch.equal(cg.cached_rows(ids.to(device), slot_map, slots, table.to(device)).cpu(), table[ids])
+
+
 def test_cached_rows_into_out_and_empty(device):
     table = torch.arange(12.0).reshape(6, 2)
     slot_map, slots = _cache(table, torch.tensor([1, 4]), device)
@@ -52,6 +64,23 @@ def test_cached_rows_into_out_and_empty(device):
                           table.to(device)).shape == (0, 2)
 
 
+def test_a_bound_reader_reads_what_cached_rows_reads(device):
+    """``cached_rows.bind`` checks the cache once; its reader gives the same rows (into ``out``
+    too) and still names bad ids; slots written after binding are read."""
+    table = torch.randn(40, 9)
+    slot_map, slots = _cache(table, torch.tensor([2, 5, 30]), device)
+    read = cg.cached_rows.bind(slot_map, slots, table.to(device))
+    ids = torch.tensor([30, 0, 5, 5, 39, 2], device=device)
+    assert torch.equal(read(ids).cpu(), cg.cached_rows(ids, slot_map, slots, table.to(device)).cpu())
+    slots[int(slot_map[30])] = 7.0  # a slot the cache refilled
+    out = torch.empty(6, 9, device=device)
+    assert read(ids, out) is out and (out[0] == 7.0).all() and torch.equal(out[1:].cpu(), table[ids[1:].cpu()])
+    with pytest.raises(KernelError, match="1-d int32/int64"):
+        read(ids.reshape(2, 3))
+    with pytest.raises(KernelError, match="do not match table rows"):
+        cg.cached_rows.bind(slot_map, slots.double(), table.to(device))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cached_rows_read_a_pinned_host_table_from_the_gpu():
@@ -59,6 +88,8 @@ def test_cached_rows_read_a_pinned_host_table_from_the_gpu():
     slot_map, slots = _cache(table, torch.arange(0, 1000, 7), "cuda")
     ids = torch.randint(0, 1000, (5000,), device="cuda")
     assert torch.equal(cg.cached_rows(ids, slot_map, slots, table).cpu(), table[ids.cpu()])
+    read = cg.cached_rows.bind(slot_map, slots, table)
+    assert torch.equal(read(ids).cpu(), table[ids.cpu()])
 
 
 def test_cached_rows_name_what_does_not_fit():

@@ -538,9 +538,9 @@ def test_staging_threads_pad_unique_ids_as_one_thread_does_whatever_the_timing(s
             time.sleep(rng.uniform(0, 0.003))
             return stage(batch, *args, **kwargs)
 
-        def upload(staged, groups):  # the CPU's copies: none
-            for group in groups.values():
-                staged.tensors.update(group)
+        def upload(staged, small, rows):  # the CPU's copies: none
+            staged.tensors.update(small)
+            staged.tensors.update(rows)
             loader._gather_device(staged)
 
         loader.stage, loader._upload = jittered, upload
@@ -847,9 +847,9 @@ def test_cached_loader_hands_edge_rows_models_the_unique_rows(small_graph, as_on
                     cfg, edge_rows=True)
     loader.cache = SlimCache({"edge": CacheTable(loader.edge_table)}, "cpu", cfg.cache)
     if as_on_cuda:
-        def upload(staged, groups):  # the CPU's copies: none
-            for group in groups.values():
-                staged.tensors.update(group)
+        def upload(staged, small, rows):  # the CPU's copies: none
+            staged.tensors.update(small)
+            staged.tensors.update(rows)
 
         loader.cuda, loader._upload = True, upload
         loader._gather_host = lambda table, ids: table.index_select(0, ids)  # unpinned
