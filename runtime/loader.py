@@ -58,6 +58,7 @@ from fastopt.config import Config
 from fastopt.errors import CacheError
 from fastopt.runtime.blocks import SampledBatch, Unique, node_set, set_inverse
 from fastopt.runtime.epoch import EpochStream
+from fastopt.runtime.flatten import flatten
 from fastopt.runtime.inputs import GraphInputs, HighWater
 from fastopt.runtime.staging import pack_tensors, pin_if_room, unpack_tensors
 from fastopt.runtime.streams import copy_stream
@@ -135,6 +136,7 @@ class _Staged:
     pending: Optional[object] = None  # SlimCache.stage() of the edge features, finished on use
     owners: List[torch.Tensor] = field(default_factory=list)  # device allocations (CUDA): recorded on use
     event_rows: int = 0  # rows of the batch's events read after its edge rows (zero-copy reads)
+    built: bool = False  # batch.inputs built when staged (CUDA, no staged SlimCache lookup)
 
 
 class Loader:
@@ -331,13 +333,13 @@ class Loader:
         padded[:ids.numel()] = ids.numpy()
         return torch.from_numpy(padded)
 
-    def _unique_edge_ids(self, batch: EventBatch, ints: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
-        """The batch's unique edge ids (padded, ``-1`` as edge 0) and, in ``ints``, the inverse over
+    def _unique_edge_ids(self, batch: EventBatch, small: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        """The batch's unique edge ids (padded, ``-1`` as edge 0) and, in ``small``, the inverse over
         every layer's slots; None where the sampler computed none (``sampler.dedup`` off)."""
         u = batch.sampled.unique_eids
         if u is None:
             return None
-        ints["edge_inverse"] = u.inverse.reshape(-1)
+        small["edge_inverse"] = u.inverse.reshape(-1)
         return self._padded(torch.from_numpy(np.maximum(u.values.numpy(), 0)), "edges",
                             batch.sampled.roots.numel(), batch)
 
@@ -372,61 +374,57 @@ class Loader:
         times = batch.times if times is None else times
         sampled = batch.sampled if batch.sampled is not None else self.sample(batch, roots, times)
         blocks = sampled.blocks if sampled is not None else []
-        ints: Dict[str, torch.Tensor] = {"roots": torch.from_numpy(np.ascontiguousarray(roots, dtype=np.int64))}
-        floats64: Dict[str, torch.Tensor] = {"times": torch.from_numpy(np.ascontiguousarray(times, dtype=np.float64))}
-        floats32: Dict[str, torch.Tensor] = {}
-        bools: Dict[str, torch.Tensor] = {}
+        # ids, times and masks, of every dtype: one upload (_upload)
+        small: Dict[str, torch.Tensor] = {"roots": torch.from_numpy(np.ascontiguousarray(roots, dtype=np.int64)),
+                                         "times": torch.from_numpy(np.ascontiguousarray(times, dtype=np.float64))}
         for i, block in enumerate(blocks):
-            ints[f"set{i + 1}"], floats64[f"stime{i + 1}"] = node_set(blocks, i + 1)
-            ints[f"eid{i}"] = block.nbr_eids
-            floats32[f"dt{i}"] = block.dt
-            bools[f"mask{i}"] = block.mask
+            small[f"set{i + 1}"], small[f"stime{i + 1}"] = node_set(blocks, i + 1)
+            small[f"eid{i}"], small[f"dt{i}"], small[f"mask{i}"] = block.nbr_eids, block.dt, block.mask
             if block.nbr_rows is not None:
-                ints[f"rows{i}"] = block.nbr_rows
+                small[f"rows{i}"] = block.nbr_rows
         unique = sampled.unique_nodes if sampled is not None else None
         if unique is None:
-            unique = batch.root_nodes if batch.root_nodes is not None else Unique.of(ints["roots"])
-        ints["unique_nodes"] = self._padded(unique.values, "nodes", ints["roots"].numel(), batch)
-        ints["node_inverse"] = set_inverse(unique.inverse.reshape(-1), ints["roots"].numel(), blocks)
+            unique = batch.root_nodes if batch.root_nodes is not None else Unique.of(small["roots"])
+        small["unique_nodes"] = self._padded(unique.values, "nodes", small["roots"].numel(), batch)
+        small["node_inverse"] = set_inverse(unique.inverse.reshape(-1), small["roots"].numel(), blocks)
         staged = _Staged(batch, len(blocks))
         if (self.placement == "device" or self.zero_copy) and self._pads_edges(batch):
-            ints["edge_unique"] = self._unique_edge_ids(batch, ints)
-        host_feats = self._host_features(batch, blocks, ints, staged)
-        if self.placement != "device" or self.edge_table is None or "edge_unique" in ints:
+            small["edge_unique"] = self._unique_edge_ids(batch, small)
+        host_feats = self._host_features(batch, blocks, small, staged)
+        if self.placement != "device" or self.edge_table is None or "edge_unique" in small:
             for i in range(len(blocks)):  # edge ids are read on the device by per-slot gathers only
-                del ints[f"eid{i}"]
-        self._upload(staged, {**ints, **floats64, **floats32, **bools},
-                     {k: t for group in host_feats.values() for k, t in group.items()})
+                del small[f"eid{i}"]
+        self._upload(staged, small, host_feats)
         return staged
 
-    def _host_features(self, batch: EventBatch, blocks, ints, staged: _Staged) -> Dict[str, Dict[str, torch.Tensor]]:
+    def _host_features(self, batch: EventBatch, blocks, small, staged: _Staged) -> Dict[str, torch.Tensor]:
         """Rows gathered on the host (host placement): per slot, unique rows, or through SlimCache."""
+        rows: Dict[str, torch.Tensor] = {}
         if self.placement != "host":
-            return {}
-        out: Dict[str, Dict[str, torch.Tensor]] = {}
+            return rows
         if self.node_table is not None:
-            ids = torch.cat([ints["roots"]] + [ints[f"set{i + 1}"] for i in range(len(blocks))])
-            out["node_rows"] = {"node_rows": self._gather_host(self.node_table, ids)}
+            ids = torch.cat([small["roots"]] + [small[f"set{i + 1}"] for i in range(len(blocks))])
+            rows["node_rows"] = self._gather_host(self.node_table, ids)
         if self.edge_table is not None:
-            rows = {"event_rows": self.edge_table[batch.start:batch.stop]}
-            if self.zero_copy and "edge_unique" in ints and batch.size and \
+            if self.zero_copy and "edge_unique" in small and batch.size and \
                     self.cache.host("edge").dtype == self.edge_table.dtype:  # read after the edge rows, in one launch
-                ints["edge_unique"] = torch.from_numpy(np.concatenate(
-                    [ints["edge_unique"].numpy(), np.arange(batch.start, batch.stop, dtype=np.int64)]))
-                staged.event_rows, rows = batch.size, {}
-            if blocks and "edge_unique" not in ints:  # (else read zero-copy in _upload)
+                small["edge_unique"] = torch.from_numpy(np.concatenate(
+                    [small["edge_unique"].numpy(), np.arange(batch.start, batch.stop, dtype=np.int64)]))
+                staged.event_rows = batch.size
+            else:
+                rows["event_rows"] = self.edge_table[batch.start:batch.stop]
+            if blocks and "edge_unique" not in small:  # (else read zero-copy in _upload)
                 # an epoch's batches go through the cache; an ad-hoc batch (index -1: inputs_for)
                 # reads its rows directly and leaves the cache's contents and plan as they are
                 if self.cache is not None and batch.index >= 0:
                     staged.pending = self.cache.stage("edge", unique=batch.sampled.unique_eids,
                                                       announced=batch.announced)
-                elif self.dedup and (ids := self._unique_edge_ids(batch, ints)) is not None:
+                elif self.dedup and (ids := self._unique_edge_ids(batch, small)) is not None:
                     rows["edge_rows"] = self._gather_host(self.edge_table, ids)
                 else:
-                    eids = torch.cat([ints[f"eid{i}"].reshape(-1) for i in range(len(blocks))])
+                    eids = torch.cat([small[f"eid{i}"].reshape(-1) for i in range(len(blocks))])
                     rows["edge_rows"] = self._gather_host(self.edge_table, eids.clamp(min=0))
-            out["edge_rows"] = rows
-        return out
+        return rows
 
     def _gather_host(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty((ids.numel(),) + tuple(table.shape[1:]), dtype=table.dtype,
@@ -448,18 +446,30 @@ class Loader:
             for k, t in rows.items():
                 if t.is_pinned():
                     staged.tensors[k] = t.to(self.device, non_blocking=True)
-                    staged.owners.append(staged.tensors[k])
                 else:
                     packed[k] = t
             host, layout = pack_tensors(list(packed.values()), pinned=True)
-            dev = host.to(self.device, non_blocking=True)
-            staged.owners.append(dev)
-            staged.tensors.update(zip(packed, unpack_tensors(dev, layout)))
+            staged.tensors.update(zip(packed, unpack_tensors(host.to(self.device, non_blocking=True), layout)))
             with self._bytes_lock:  # staging threads upload concurrently: no update lost
                 self.bytes_h2d += sum(t.numel() * t.element_size() for t in (*small.values(), *rows.values()))
             self._read_rows(staged)
+            if staged.pending is None:  # the inputs built here, off the training thread
+                self._build(staged)
+                staged.built = True
+            staged.owners = self._owners(staged)
             staged.event = torch.cuda.Event()
             staged.event.record(self._copy_stream)
+
+    def _owners(self, staged: _Staged) -> List[torch.Tensor]:
+        """A tensor per device allocation ``staged``'s tensors and inputs are in, but the tables'."""
+        tensors = [t for v in staged.tensors.values() for t in (v if isinstance(v, list) else [v])]
+        if staged.built:
+            tensors += flatten((staged.batch.inputs, staged.batch.event_feat))[0]
+        owners = {t.untyped_storage().data_ptr(): t for t in tensors if t.numel()}
+        for table in (self.node_table, self.edge_table):
+            if table is not None:
+                owners.pop(table.untyped_storage().data_ptr(), None)
+        return list(owners.values())
 
     def _read_rows(self, staged: _Staged) -> None:
         """Rows the device reads itself (on the stream this is called on): from device tables, or
@@ -470,7 +480,6 @@ class Loader:
         elif "edge_unique" in t:
             rows = self.cache.serve("edge", t["edge_unique"], unique=staged.batch.sampled.unique_eids,
                                     counted=staged.batch.index >= 0)
-            staged.owners.append(rows)
             t["edge_rows"] = rows[:rows.shape[0] - staged.event_rows]
             if staged.event_rows:  # the batch's own events' rows, read in the same launch
                 t["event_rows"] = rows[rows.shape[0] - staged.event_rows:]
@@ -480,19 +489,16 @@ class Loader:
         t, batch = staged.tensors, staged.batch
         if self.node_table is not None:
             t["node_feat"] = [self.node_table[n.clamp(min=0)] for n in _sets(t, staged.layers)]
-            staged.owners += t["node_feat"]
         if self.edge_table is not None:
             if "edge_unique" in t:
                 t["edge_rows"] = self.edge_table[t["edge_unique"]]
-                staged.owners.append(t["edge_rows"])
             else:
                 t["edge_feat"] = [self.edge_table[t[f"eid{i}"].clamp(min=0)] for i in range(staged.layers)]
-                staged.owners += t["edge_feat"]
             t["event_rows"] = self.edge_table[batch.start:batch.stop]  # a view of the table: kept
 
     def finish(self, staged: _Staged) -> EventBatch:
-        """Make the current stream wait for ``staged``'s copies; build the model's inputs."""
-        t, batch = staged.tensors, staged.batch
+        """Make the current stream wait for ``staged``'s copies; the model's inputs (built when
+        staged, on CUDA, but where SlimCache's staged lookups finish here, on this stream)."""
         if staged.event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(staged.event)
@@ -500,6 +506,13 @@ class Loader:
                 tensor.record_stream(current)
         if not self.cuda:
             self._read_rows(staged)
+        if not staged.built:
+            self._build(staged)
+        return staged.batch
+
+    def _build(self, staged: _Staged) -> None:
+        """``staged.batch``'s inputs from its tensors (on the stream this is called on)."""
+        t, batch = staged.tensors, staged.batch
         layers = staged.layers
         nodes = _sets(t, layers)
         times = [t["times"]] + [t[f"stime{i + 1}"] for i in range(layers)]
@@ -523,7 +536,6 @@ class Loader:
         batch.inputs = GraphInputs(nodes, times, node_feat, edge_feat, dt, mask,
                                    unique_nodes=t["unique_nodes"], node_inverse=t["node_inverse"],
                                    edge_rows=edge_rows, edge_index=edge_index, nbr_index=nbr_index)
-        return batch
 
     def _expand_nodes(self, t, nodes: List[torch.Tensor]) -> List[torch.Tensor]:
         if "node_rows" not in t:

@@ -145,8 +145,14 @@ def test_every_staged_device_tensor_lives_in_an_allocation_the_consumer_records(
     finish, checked = loader.finish, []
 
     def checked_finish(staged):
+        from fastopt.runtime.flatten import flatten
+
         owned = {t.untyped_storage().data_ptr() for t in staged.owners + kept}
-        for name, value in staged.tensors.items():
+        values = list(staged.tensors.items())
+        assert staged.built == (host_reads != "staged")  # built by the staging thread, but where a lookup finishes
+        if staged.built:
+            values.append(("inputs", flatten((staged.batch.inputs, staged.batch.event_feat))[0]))
+        for name, value in values:
             for t in value if isinstance(value, list) else [value]:
                 assert t.device.type == "cuda" and (t.numel() == 0 or t.untyped_storage().data_ptr() in owned), name
         t = staged.tensors
