@@ -183,7 +183,7 @@ def pack_tensors(tensors: Sequence[torch.Tensor], pinned: bool) -> Tuple[torch.T
     for begin, _, dtype, members in layout:
         for i, n, _ in members:  # NumPy's copy, not torch's: no dispatch or intra-op threads here
             n *= dtype.itemsize
-            out[begin:begin + n] = tensors[i].numpy().reshape(-1).view(np.uint8)
+            out[begin:begin + n] = np.ascontiguousarray(tensors[i].numpy()).reshape(-1).view(np.uint8)
             begin += n
     return packed, layout
 

@@ -94,7 +94,8 @@ def bind(slot_map: Tensor, slots: Tensor, table: Tensor):
     pinned = table.is_pinned() if table.device != slot_map.device else False  # asked once (a driver call)
 
     def read(ids: Tensor, out: Optional[Tensor] = None) -> Tensor:
-        if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or ids.device != slot_map.device:
+        if out is not None or ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or \
+                ids.device != slot_map.device:
             _check(ids, slot_map, slots, table, out)  # raises, naming what is wrong
         return _read(ids, slot_map, slots, table, out, pinned)
 

@@ -50,7 +50,7 @@ def test_programs_that_loop_over_several_row_tiles_read_every_row(device, monkey
     monkeypatch.setattr(module, "MAX_PROGRAMS", 3)
     table = torch.randn(100, 172)
     slot_map, slots = _cache(table, torch.arange(0, 100, 3), device)
-    ids = torch.randint(0, 100, (16 * 7 + 5,))  # 16 rows a tile at this width: 8 tiles
+    ids = torch.randint(0, 100, (16 * 7 + 5,), generator=torch.Generator().manual_seed(0))  # 8 tiles of 16 rows
     assert torch.equal(cg.cached_rows(ids.to(device), slot_map, slots, table.to(device)).cpu(), table[ids])
 
 
@@ -77,6 +77,8 @@ def test_a_bound_reader_reads_what_cached_rows_reads(device):
     assert read(ids, out) is out and (out[0] == 7.0).all() and torch.equal(out[1:].cpu(), table[ids[1:].cpu()])
     with pytest.raises(KernelError, match="1-d int32/int64"):
         read(ids.reshape(2, 3))
+    with pytest.raises(KernelError, match=r"out must be \(6, 9\)"):
+        read(ids, torch.empty(8, 9, device=device)[:2])
     with pytest.raises(KernelError, match="do not match table rows"):
         cg.cached_rows.bind(slot_map, slots.double(), table.to(device))
 
