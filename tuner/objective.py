@@ -113,11 +113,13 @@ class _Held:
 
 
 @contextlib.contextmanager
-def _held() -> Iterator[None]:
+def _held(raise_alarm: bool = True) -> Iterator[None]:
     """A write to the study's storage (or a setting such as the memory limit) inside a trial's
     :func:`_alarm`: an alarm that rings in it is raised once the write has ended, never in its
     middle (a session cut mid-commit could leave the storage unusable for the rest of the study,
-    a limit cut between set and reset would hold the next trial's check)."""
+    a limit cut between set and reset would hold the next trial's check). ``raise_alarm=False``:
+    dropped instead (a write made while another error is on its way out, which stays the trial's
+    reason)."""
     _Held.depth += 1
     try:
         yield
@@ -125,7 +127,8 @@ def _held() -> Iterator[None]:
         _Held.depth -= 1
     if not _Held.depth and _Held.rang is not None:
         rang, _Held.rang = _Held.rang, None
-        raise rang
+        if raise_alarm:
+            raise rang
 
 
 @contextlib.contextmanager
@@ -292,13 +295,25 @@ def device_memory_limit(device: torch.device, limit_bytes: Optional[int]) -> Ite
     # the fraction is set per device index: a bare "cuda" (a trainer's default) is the current one
     index = torch.cuda.current_device() if device.index is None else device.index
     total = torch.cuda.get_device_properties(index).total_memory
+    _LIMITED.add(index)  # given back by release() too, should an alarm cut the block below short
     try:  # a trial's alarm waits for each setting (_held): the limit is never left on after it
         with _held():
             torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), index)
         yield
-    finally:
-        with _held():
+    except BaseException:
+        # the block's own error is the trial's reason: an alarm that rings while the limit is
+        # given back is dropped, not raised in its place
+        with _held(raise_alarm=False):
             torch.cuda.set_per_process_memory_fraction(1.0, index)
+            _LIMITED.discard(index)
+        raise
+    with _held():
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
+        _LIMITED.discard(index)
+
+
+# device indices whose memory fraction device_memory_limit set and has not given back yet
+_LIMITED: set = set()
 
 
 def check_against_eager(make_eager: Callable[[Config], Any]) -> Callable[[Any], Optional[float]]:
@@ -499,10 +514,13 @@ def release(collect: bool = True) -> None:
     """Free what a trial left behind (its trainer, captured graphs, cached blocks): one garbage
     collection, then the CUDA allocator's cached blocks. :func:`~fastopt.tuner.study.tune` calls
     it after each trial, once Optuna has dropped the trial's frames (a pruned trial's traceback
-    holds its trainer until then). ``collect=False``: the cached blocks alone, before a window
-    (what the build's temporaries and a check's eager model left in the allocator)."""
+    holds its trainer until then), and gives back a memory limit an alarm left set.
+    ``collect=False``: no collection, before a window (what the build's temporaries and a
+    check's eager model left in the allocator)."""
     if collect:
         gc.collect()
+    while _LIMITED:  # a limit an alarm cut off before device_memory_limit could give it back
+        torch.cuda.set_per_process_memory_fraction(1.0, _LIMITED.pop())
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

@@ -183,6 +183,51 @@ def test_a_trial_alarm_while_the_limit_is_set_is_raised_after_it_is_given_back(m
     assert objective._Held.depth == 0 and objective._Held.rang is None
 
 
+def test_a_failing_window_keeps_its_own_error_when_an_alarm_rings_as_the_limit_is_given_back(monkeypatch):
+    """Out of memory in the window, then the trial's alarm ringing while the limit is given back:
+    the trial fails for running out of memory (its reason), the limit is given back all the same,
+    and nothing of the alarm is left for the next trial."""
+    import fastopt.tuner.objective as objective
+    from fastopt.tuner.objective import TrialTimeout, device_memory_limit
+
+    calls = []
+
+    def set_fraction(fraction, device=None):
+        calls.append(fraction)
+        if fraction == 1.0:
+            objective._Held.rang = TrialTimeout("the trial took more than 60 s")
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: _Props())
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="Tried to allocate"):
+        with device_memory_limit(torch.device("cuda"), 25 * 2**30):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert calls == [0.25, 1.0] and objective._Held.depth == 0 and objective._Held.rang is None
+    assert not objective._LIMITED
+
+
+def test_release_gives_back_a_limit_a_trial_left_set(monkeypatch):
+    """A trial cut between its window and giving the limit back (an alarm in the few steps no
+    setting guards) leaves the fraction set: the release after the trial gives it back, so the
+    next trial's check runs without it."""
+    import fastopt.tuner.objective as objective
+    from fastopt.tuner.objective import device_memory_limit, release
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: _Props())
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append((f, d)))
+    left = device_memory_limit(torch.device("cuda"), 50 * 2**30)
+    left.__enter__()  # never left: what a cut trial leaves behind
+    assert calls == [(0.5, 2)] and objective._LIMITED == {2}
+    release(collect=False)
+    assert calls == [(0.5, 2), (1.0, 2)] and not objective._LIMITED
+    release(collect=False)
+    assert len(calls) == 2  # nothing left to give back
+    left.gen.close()  # the abandoned block, closed while the fake is in place
+
+
 def test_the_check_against_eager_drops_the_graphs_it_captured(small_graph, config, one_thread, monkeypatch):
     """The check runs the optimized model in eval mode, whose CUDA graphs training never replays:
     it drops them (whether the check passes or not), so that the window's memory does not hold them."""
