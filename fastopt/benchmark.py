@@ -22,7 +22,8 @@ after each epoch and on test at the end:
 
 Reported per contender: the first and the steady epoch time (median of the epochs after the
 first), the stage breakdown of the steady epochs, bytes host->device per epoch, peak device
-memory, validation and test AP. Before timing, each contender's model is checked against an
+memory, validation and test AP; with ``--interleave``, each contender's steady epochs over
+``fastopt``'s epoch by epoch (:func:`paired_ratios`: median, min and max). Before timing, each contender's model is checked against an
 eager copy with the same weights on a real batch (the 21st, the memory and mailboxes advanced
 through the 20 before it, so that a memory model's updater is exercised), outputs and parameter
 gradients (after a CUDA-graph capture where one happens); a disagreement fails the run
@@ -47,7 +48,8 @@ from fastopt.config import Config
 from fastopt.errors import ConfigError, FastOptError
 from fastopt.runtime.timing import STAGES
 
-__all__ = ["CONTENDERS", "BenchResult", "run_bench", "format_table", "verify_against_eager", "git_commit"]
+__all__ = ["CONTENDERS", "BenchResult", "run_bench", "format_table", "paired_ratios", "format_ratios",
+           "verify_against_eager", "git_commit"]
 
 CONTENDERS = ("tgl", "eager", "compile", "compile-ro", "pyg", "fastopt", "fastopt-host", "fastopt-tuned")
 # Relative error allowed between a contender's outputs/gradients and eager's (fp32).
@@ -378,6 +380,33 @@ def peak_host_bytes() -> int:
         return 0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def paired_ratios(results: Sequence[BenchResult], reference: Optional[str] = None) -> Dict[str, dict]:
+    """Each contender's steady epochs over ``reference``'s (default ``fastopt`` where it ran, else
+    the first contender), epoch by epoch: with ``--interleave`` the epochs of a pair ran back to
+    back, so that a slow stretch of a noisy host moves both, and the spread of the ratios says how
+    far one run's ratio of medians can be trusted. ``{contender: {"reference", "median", "min",
+    "max", "pairs"}}``; empty with fewer than two contenders or no steady epochs."""
+    names = [r.contender for r in results]
+    if reference is None:
+        reference = "fastopt" if "fastopt" in names else (names[0] if names else "")
+    ref = next((r for r in results if r.contender == reference), None)
+    out: Dict[str, dict] = {}
+    for r in results:
+        if ref is None or r is ref:
+            continue
+        ratios = [a / b for a, b in zip(r.epoch_seconds[1:], ref.epoch_seconds[1:]) if b > 0]
+        if ratios:
+            out[r.contender] = {"reference": reference, "median": statistics.median(ratios),
+                                "min": min(ratios), "max": max(ratios), "pairs": len(ratios)}
+    return out
+
+
+def format_ratios(ratios: Dict[str, dict]) -> str:
+    """:func:`paired_ratios` as one line per contender."""
+    return "\n".join(f"{name} / {r['reference']}, epoch by epoch: median {r['median']:.2f}x "
+                     f"(min {r['min']:.2f}, max {r['max']:.2f}, {r['pairs']} pairs)" for name, r in ratios.items())
 
 
 def format_table(results: Sequence[BenchResult], baseline: str = "eager") -> str:

@@ -193,7 +193,8 @@ def _cmd_bench(args) -> int:
     import torch
 
     from fastopt import __version__
-    from fastopt.benchmark import command_line, format_table, git_commit, plot, run_bench, timestamp
+    from fastopt.benchmark import (command_line, format_ratios, format_table, git_commit, paired_ratios, plot,
+                                   run_bench, timestamp)
     from fastopt.data import load_dataset
 
     cfg = _build_config(args)
@@ -211,6 +212,9 @@ def _cmd_bench(args) -> int:
                         progress=not args.no_progress, log=lambda line: print(line, flush=True))
     print()
     print(format_table(results))
+    ratios = paired_ratios(results) if args.interleave else {}
+    if ratios:
+        print(format_ratios(ratios))
     if args.json:
         from pathlib import Path
 
@@ -219,7 +223,7 @@ def _cmd_bench(args) -> int:
                   "command": command_line(),
                   "dataset": graph.name, "model": args.model, "batch_size": tc.batch_size,
                   "epochs": args.epochs, "interleave": args.interleave, "edge_dim": graph.edge_dim,
-                  "config": cfg.to_dict(),
+                  "config": cfg.to_dict(), "paired_ratios": ratios,
                   "results": [r.to_dict() for r in results]}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=2, default=float))

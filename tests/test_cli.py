@@ -92,6 +92,12 @@ def test_bench_interleaved_trains_each_contender_as_a_run_of_its_own(tiny_file, 
         records[bool(flag)] = json.loads(out_json.read_text())
         out = capsys.readouterr().out
     assert records[True]["interleave"] and not records[False]["interleave"]
+    # interleaved: fastopt-host's steady epoch over eager's (no fastopt ran), in the table's wake
+    ratio = records[True]["paired_ratios"]["fastopt-host"]
+    assert ratio["reference"] == "eager" and ratio["pairs"] == 1 and ratio["min"] == ratio["median"] == ratio["max"]
+    host, eager = (r["epoch_seconds"][1] for r in reversed(records[True]["results"]))
+    assert ratio["median"] == pytest.approx(host / eager)
+    assert "fastopt-host / eager, epoch by epoch: median" in out and records[False]["paired_ratios"] == {}
     # both verified and started before either trained an epoch: the steady lines come last
     lines = [line.strip() for line in out.splitlines() if line.startswith("  ")]
     assert [line.split(":")[0] for line in lines[-2:]] == ["eager", "fastopt-host"]
@@ -131,6 +137,23 @@ def test_bench_lets_each_contender_go_before_releasing_the_device_memory(small_g
                                       log=lambda line: None, interleave=interleave)
         assert [r.contender for r in results] == ["eager", "fastopt"]
         assert alive_at_release == ([[False], [False, False]] if not interleave else [[False, False]])
+
+
+def test_paired_ratios_divide_each_steady_epoch_by_the_same_turns_reference():
+    """Epoch by epoch against fastopt where it ran (the first epoch left out), else the first
+    contender; a contender with no steady epoch has no ratio."""
+    from fastopt.benchmark import BenchResult, format_ratios, paired_ratios
+
+    tgl = BenchResult("tgl", epoch_seconds=[3.0, 2.0, 2.2, 1.8])
+    fast = BenchResult("fastopt", epoch_seconds=[9.0, 0.5, 0.4, 0.6])
+    host = BenchResult("fastopt-host", epoch_seconds=[1.0, 0.6, 0.6, 0.6])
+    got = paired_ratios([tgl, fast, host])
+    assert set(got) == {"tgl", "fastopt-host"} and got["tgl"]["reference"] == "fastopt"
+    assert got["fastopt-host"]["median"] == pytest.approx(1.2) and got["fastopt-host"]["min"] == pytest.approx(1.0)
+    assert got["fastopt-host"]["max"] == pytest.approx(1.5) and got["fastopt-host"]["pairs"] == 3
+    assert paired_ratios([tgl, host])["fastopt-host"]["reference"] == "tgl"
+    assert paired_ratios([fast]) == {} and paired_ratios([fast, BenchResult("eager", epoch_seconds=[1.0])]) == {}
+    assert format_ratios(got).splitlines()[1] == "fastopt-host / fastopt, epoch by epoch: median 1.20x (min 1.00, max 1.50, 3 pairs)"
 
 
 def test_bench_rejects_unknown_contenders(capsys):
