@@ -40,7 +40,8 @@
 # profile-tgat-factor-{off,auto}.log, each under FACTOR_S seconds, 150: the check against eager and the
 # profiled epoch take over 80 s). "launch": bench/graph_launch.py for each model (graph-launch-*.{log,json}).
 # "window": bench/tune_window.py per WINDOW_MODELS (see the step). "pipe": epochs as fit runs them
-# per placement, with the threads' seconds (bench/epoch_profile.py --pipeline; see the step).
+# per placement, with the threads' seconds (bench/epoch_profile.py --pipeline; PIPE_VARIANTS: env
+# settings each run the same way, see the step).
 # A call returns at most 8 files from OUT: give steps that write many their own call.
 set -u
 export PYTHONUNBUFFERED=1
@@ -166,12 +167,19 @@ fi
 if [[ " $STEPS " == *" pipe "* ]]; then
     # PIPE_EPOCHS (3) of PIPE_MODELS (tgn) as fit runs them, under each placement, nothing
     # profiled (bench/epoch_profile.py --pipeline): the staging threads' and the training
-    # thread's seconds per epoch, where the host path's extra time is spent (pipe-*.log)
-    for m in ${PIPE_MODELS:-tgn}; do
-        for p in device host; do
-            FASTOPT_CACHE_PLACEMENT=$p timeout "${PIPE_S:-60}" python3 bench/epoch_profile.py --model $m \
-                --pipeline "${PIPE_EPOCHS:-3}" > "$OUT/pipe-$m-$p.log" 2>&1
-            grep -E "^epoch" "$OUT/pipe-$m-$p.log" | sed "s/^/$m $p /" | cut -c1-330
+    # thread's seconds per epoch, where the host path's extra time is spent (pipe-*.log; the
+    # steady epochs' lines printed). PIPE_VARIANTS: VAR=VALUE[,VAR=VALUE] settings, each run
+    # the same way after the defaults (pipe-<model>-<placement>-vN.log)
+    n=0
+    for v in "" ${PIPE_VARIANTS:-}; do
+        tag=${v:+-v$n}; n=$((n + 1))
+        [ -n "$v" ] && echo "== pipe ${tag#-}: $v"
+        for m in ${PIPE_MODELS:-tgn}; do
+            for p in device host; do
+                env ${v//,/ } FASTOPT_CACHE_PLACEMENT=$p timeout "${PIPE_S:-60}" python3 bench/epoch_profile.py \
+                    --model $m --pipeline "${PIPE_EPOCHS:-3}" > "$OUT/pipe-$m-$p$tag.log" 2>&1
+                grep -E "^epoch" "$OUT/pipe-$m-$p$tag.log" | tail -n +2 | sed "s/^/$m $p /" | cut -c1-400
+            done
         done
     done
 fi
