@@ -84,7 +84,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--interleave", action="store_true",
                    help="build and verify every contender first, then let their epochs take turns, so "
                         "that the machine's drift in speed reaches each alike (each keeps its own "
-                        "random state, so it trains as it does alone)")
+                        "random state, so it trains as it does alone); also prints each contender's "
+                        "steady epochs over fastopt's, epoch by epoch")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a bar chart (PNG) here (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
