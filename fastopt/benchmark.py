@@ -48,7 +48,10 @@ from fastopt.config import Config
 from fastopt.errors import ConfigError, FastOptError
 from fastopt.runtime.timing import STAGES
 
-__all__ = ["CONTENDERS", "BenchResult", "run_bench", "format_table", "paired_ratios", "format_ratios",
+# contenders trained on their own, after the others, even with --interleave (another implementation)
+ALONE = ("pyg",)
+
+__all__ = ["CONTENDERS", "ALONE", "BenchResult", "run_bench", "format_table", "paired_ratios", "format_ratios",
            "verify_against_eager", "git_commit"]
 
 CONTENDERS = ("tgl", "eager", "compile", "compile-ro", "pyg", "fastopt", "fastopt-host", "fastopt-tuned")
@@ -210,7 +213,7 @@ def run_bench(graph, model_name: str, base: Config, contenders: Sequence[str] = 
     device = resolve_device(base.train.device)
     results, turns = [], []
     for name in contenders:
-        if name == "pyg":  # another implementation: trained on its own, never interleaved
+        if name in ALONE:  # another implementation: trained on its own, never interleaved
             result = _run_pyg(graph, model_name, base, epochs, device, progress, log)
             if result is not None:
                 results.append(result)
@@ -387,7 +390,9 @@ def paired_ratios(results: Sequence[BenchResult], reference: Optional[str] = Non
     the first contender), epoch by epoch: with ``--interleave`` the epochs of a pair ran back to
     back, so that a slow stretch of a noisy host moves both, and the spread of the ratios says how
     far one run's ratio of medians can be trusted. ``{contender: {"reference", "median", "min",
-    "max", "pairs"}}``; empty with fewer than two contenders or no steady epochs."""
+    "max", "pairs"}}``; empty with fewer than two contenders or no steady epochs. Contenders that
+    never take turns (:data:`ALONE`) are left out."""
+    results = [r for r in results if r.contender not in ALONE]
     names = [r.contender for r in results]
     if reference is None:
         reference = "fastopt" if "fastopt" in names else (names[0] if names else "")

@@ -153,6 +153,9 @@ def test_paired_ratios_divide_each_steady_epoch_by_the_same_turns_reference():
     assert got["fastopt-host"]["max"] == pytest.approx(1.5) and got["fastopt-host"]["pairs"] == 3
     assert paired_ratios([tgl, host])["fastopt-host"]["reference"] == "tgl"
     assert paired_ratios([fast]) == {} and paired_ratios([fast, BenchResult("eager", epoch_seconds=[1.0])]) == {}
+    # PyG's TGN trains on its own, never in turns: neither a reference nor compared
+    pyg = BenchResult("pyg", epoch_seconds=[5.0, 4.0, 4.0, 4.0])
+    assert set(paired_ratios([pyg, tgl, host])) == {"fastopt-host"} and "pyg" not in paired_ratios([fast, pyg])
     assert format_ratios(got).splitlines()[1] == "fastopt-host / fastopt, epoch by epoch: median 1.20x (min 1.00, max 1.50, 3 pairs)"
 
 

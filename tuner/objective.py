@@ -519,8 +519,10 @@ def release(collect: bool = True) -> None:
     check's eager model left in the allocator)."""
     if collect:
         gc.collect()
-    while _LIMITED:  # a limit an alarm cut off before device_memory_limit could give it back
-        torch.cuda.set_per_process_memory_fraction(1.0, _LIMITED.pop())
+    with _held():  # a limit an alarm cut off before device_memory_limit could give it back
+        for index in sorted(_LIMITED):
+            torch.cuda.set_per_process_memory_fraction(1.0, index)
+            _LIMITED.discard(index)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

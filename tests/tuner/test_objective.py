@@ -190,6 +190,7 @@ def test_a_failing_window_keeps_its_own_error_when_an_alarm_rings_as_the_limit_i
     import fastopt.tuner.objective as objective
     from fastopt.tuner.objective import TrialTimeout, device_memory_limit
 
+    monkeypatch.setattr(objective, "_LIMITED", set())  # none of another test's
     calls = []
 
     def set_fraction(fraction, device=None):
@@ -214,6 +215,7 @@ def test_release_gives_back_a_limit_a_trial_left_set(monkeypatch):
     import fastopt.tuner.objective as objective
     from fastopt.tuner.objective import device_memory_limit, release
 
+    monkeypatch.setattr(objective, "_LIMITED", set())  # none of another test's
     calls = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: _Props())
