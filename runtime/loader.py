@@ -451,8 +451,9 @@ class Loader:
             host, layout = pack_tensors(list(packed.values()), pinned=True)
             staged.tensors.update(zip(packed, unpack_tensors(host.to(self.device, non_blocking=True), layout)))
             with self._bytes_lock:  # staging threads upload concurrently: no update lost
-                self.bytes_h2d += sum(t.numel() * t.element_size() for t in (*small.values(), *rows.values())) + \
-                    staged.event_rows * self.edge_table[0].numel() * self.edge_table.element_size()  # read zero-copy
+                self.bytes_h2d += sum(t.numel() * t.element_size() for t in (*small.values(), *rows.values()))
+                if staged.event_rows:  # read zero-copy with the edge rows
+                    self.bytes_h2d += staged.event_rows * self.edge_table[0].numel() * self.edge_table.element_size()
             self._read_rows(staged)
             if staged.pending is None:  # the inputs built here, off the training thread
                 self._build(staged)

@@ -168,6 +168,43 @@ def test_inputs_read_late_by_the_step_are_those_staged(small_graph, placement, h
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.parametrize("features,edge_rows", [(True, True), (True, False), (False, True)])
+def test_the_cuda_staging_path_builds_the_cpu_paths_inputs(small_graph, monkeypatch, features, edge_rows):
+    """The staging steps a GPU runs (one packed upload, the inputs built by the staging thread,
+    the allocations to record), run here with their copies as no-ops: the inputs equal those the
+    CPU path builds in ``finish``, every tensor lives in a recorded allocation or a kept table,
+    and a graph without features stages too."""
+    import fastopt.runtime.loader as loader_module
+    from fastopt.data import TemporalGraph
+    from fastopt.runtime.flatten import flatten
+
+    g = small_graph if features else TemporalGraph(small_graph.src, small_graph.dst, small_graph.ts,
+                                                   small_graph.num_nodes, name="bare", bipartite=small_graph.bipartite)
+    pack = loader_module.pack_tensors
+    monkeypatch.setattr(loader_module, "pack_tensors", lambda tensors, pinned: pack(tensors, pinned=False))
+    monkeypatch.setattr(torch.cuda, "Event", lambda: type("Event", (), {"record": lambda self, stream: None})())
+
+    def loader(as_on_cuda):
+        made = Loader(g, NumpySampler(g, [3, 2], "uniform", seed=5), torch.device("cpu"),
+                      config(cache__placement="device"), edge_rows=edge_rows)
+        if as_on_cuda:  # the copy stream a no-op, no padding (the CPU path pads nothing)
+            made.cuda, made._copy_stream = True, None
+            made._padded = lambda ids, kind, roots, batch=None: ids
+        return made
+
+    plain, staged_ahead = loader(False), loader(True)
+    kept = {t.untyped_storage().data_ptr() for t in (staged_ahead.edge_table, staged_ahead.node_table) if t is not None}
+    for want_batch, batch in zip(plain.plan("train", 0), staged_ahead.plan("train", 0), strict=True):
+        want, spec = flatten((plain.finish(plain.stage(want_batch)).inputs, want_batch.event_feat))
+        staged = staged_ahead.stage(batch)
+        assert staged.built and staged.event is not None
+        got, got_spec = flatten((batch.inputs, batch.event_feat))
+        assert got_spec == spec and all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+        owned = {t.untyped_storage().data_ptr() for t in staged.owners}
+        assert owned.isdisjoint(kept) and len(owned) == len(staged.owners)
+        assert all(t.numel() == 0 or t.untyped_storage().data_ptr() in owned | kept for t in got)
+
+
 @pytest.fixture
 def mapped_graph(tmp_path, small_graph):
     """:func:`small_graph` written as a graph folder and read back memory-mapped."""
