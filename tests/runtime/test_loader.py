@@ -168,8 +168,9 @@ def test_inputs_read_late_by_the_step_are_those_staged(small_graph, placement, h
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.parametrize("placement", ["device", "host"])
 @pytest.mark.parametrize("features,edge_rows", [(True, True), (True, False), (False, True)])
-def test_the_cuda_staging_path_builds_the_cpu_paths_inputs(small_graph, monkeypatch, features, edge_rows):
+def test_the_cuda_staging_path_builds_the_cpu_paths_inputs(small_graph, monkeypatch, features, edge_rows, placement):
     """The staging steps a GPU runs (one packed upload, the inputs built by the staging thread,
     the allocations to record), run here with their copies as no-ops: the inputs equal those the
     CPU path builds in ``finish``, every tensor lives in a recorded allocation or a kept table,
@@ -186,10 +187,11 @@ def test_the_cuda_staging_path_builds_the_cpu_paths_inputs(small_graph, monkeypa
 
     def loader(as_on_cuda):
         made = Loader(g, NumpySampler(g, [3, 2], "uniform", seed=5), torch.device("cpu"),
-                      config(cache__placement="device"), edge_rows=edge_rows)
-        if as_on_cuda:  # the copy stream a no-op, no padding (the CPU path pads nothing)
+                      config(cache__placement=placement), edge_rows=edge_rows)
+        if as_on_cuda:  # the copy stream a no-op, no padding (the CPU path pads nothing), nothing pinned
             made.cuda, made._copy_stream = True, None
             made._padded = lambda ids, kind, roots, batch=None: ids
+            made._gather_host = lambda table, ids: table.index_select(0, ids)
         return made
 
     plain, staged_ahead = loader(False), loader(True)
