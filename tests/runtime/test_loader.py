@@ -168,13 +168,18 @@ def test_inputs_read_late_by_the_step_are_those_staged(small_graph, placement, h
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("placement", ["device", "host"])
+@pytest.mark.parametrize("placement", ["device", "host", "zero_copy"])
 @pytest.mark.parametrize("features,edge_rows", [(True, True), (True, False), (False, True)])
 def test_the_cuda_staging_path_builds_the_cpu_paths_inputs(small_graph, monkeypatch, features, edge_rows, placement):
     """The staging steps a GPU runs (one packed upload, the inputs built by the staging thread,
     the allocations to record), run here with their copies as no-ops: the inputs equal those the
     CPU path builds in ``finish``, every tensor lives in a recorded allocation or a kept table,
-    and a graph without features stages too."""
+    and a graph without features stages too. ``zero_copy``: host features served by SlimCache's
+    zero-copy reads (the kernel's reference on the CPU), the batch's event rows read with its
+    edge rows."""
+    from fastopt.codegen import cached_rows
+    from fastopt.runtime import CacheTable, SlimCache
+
     import fastopt.runtime.loader as loader_module
     from fastopt.data import TemporalGraph
     from fastopt.runtime.flatten import flatten
@@ -186,20 +191,28 @@ def test_the_cuda_staging_path_builds_the_cpu_paths_inputs(small_graph, monkeypa
     monkeypatch.setattr(torch.cuda, "Event", lambda: type("Event", (), {"record": lambda self, stream: None})())
 
     def loader(as_on_cuda):
-        made = Loader(g, NumpySampler(g, [3, 2], "uniform", seed=5), torch.device("cpu"),
-                      config(cache__placement=placement), edge_rows=edge_rows)
+        cfg = config(cache__placement="device" if placement == "device" else "host", cache__host_reads="zero_copy",
+                     cache__budget_fraction=0.2)
+        made = Loader(g, NumpySampler(g, [3, 2], "uniform", seed=5), torch.device("cpu"), cfg, edge_rows=edge_rows)
         if as_on_cuda:  # the copy stream a no-op, no padding (the CPU path pads nothing), nothing pinned
             made.cuda, made._copy_stream = True, None
             made._padded = lambda ids, kind, roots, batch=None: ids
             made._gather_host = lambda table, ids: table.index_select(0, ids)
+            if placement == "zero_copy" and made.edge_table is not None:
+                made.cache = SlimCache({"edge": CacheTable(made.edge_table)}, "cpu", cfg.cache, read_rows=cached_rows)
+                made.zero_copy = made.cache.zero_copy("edge")
         return made
 
     plain, staged_ahead = loader(False), loader(True)
+    assert staged_ahead.zero_copy == (placement == "zero_copy" and features)
     kept = {t.untyped_storage().data_ptr() for t in (staged_ahead.edge_table, staged_ahead.node_table) if t is not None}
     for want_batch, batch in zip(plain.plan("train", 0), staged_ahead.plan("train", 0), strict=True):
         want, spec = flatten((plain.finish(plain.stage(want_batch)).inputs, want_batch.event_feat))
         staged = staged_ahead.stage(batch)
         assert staged.built and staged.event is not None
+        if staged_ahead.zero_copy and edge_rows:
+            assert staged.event_rows == batch.size and batch.event_feat.untyped_storage().data_ptr() == \
+                batch.inputs.edge_rows.untyped_storage().data_ptr()
         got, got_spec = flatten((batch.inputs, batch.event_feat))
         assert got_spec == spec and all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
         owned = {t.untyped_storage().data_ptr() for t in staged.owners}
