@@ -10,8 +10,9 @@ kernel does not (CPU tensors with the ``auto`` backend, ``backend = "reference"`
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -125,22 +126,15 @@ def _read(ids: Tensor, slot_map: Tensor, slots: Tensor, table: Tensor, out: Opti
     width = math.prod(row_shape)
     if n == 0 or width == 0:
         return out
-    kernel, block_r = _kernel(ids.device, width)
+    cfg, block_r, block_d = _mapping(width)
+    kernel = kernels.fixed("cached_rows", ids.device, cfg, D=width, block_r=block_r, block_d=block_d)
     kernel.launch((min(-(-n // block_r), MAX_PROGRAMS), 1), ids, slot_map, slots, table, out, n)
     return out
 
 
-def _kernel(device: torch.device, width: int):
-    """The kernel for rows of ``width`` elements and the rows one program reads (memoized by
-    :func:`kernels.fixed`; the mapping is worked out here once per width)."""
-    key = (device, width)
-    hit = _MAPPINGS.get(key)
-    if hit is None:
-        block_d = min(next_power_of_2(width), MAX_BLOCK_D)
-        block_r = max(1, ROWS_TILE // block_d)
-        hit = _MAPPINGS[key] = (KernelConfig(block_m=block_r, block_d=block_d, num_warps=4, num_stages=1), block_r, block_d)
-    cfg, block_r, block_d = hit
-    return kernels.fixed("cached_rows", device, cfg, D=width, block_r=block_r, block_d=block_d), block_r
-
-
-_MAPPINGS: dict = {}
+@functools.lru_cache(maxsize=None)
+def _mapping(width: int) -> Tuple[KernelConfig, int, int]:
+    """The thread mapping for rows of ``width`` elements: (config, rows a tile, columns a block)."""
+    block_d = min(next_power_of_2(width), MAX_BLOCK_D)
+    block_r = max(1, ROWS_TILE // block_d)
+    return KernelConfig(block_m=block_r, block_d=block_d, num_warps=4, num_stages=1), block_r, block_d
