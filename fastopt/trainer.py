@@ -210,7 +210,8 @@ class Trainer:
                                     pad_rows=self.device.type == "cuda")
         self.loader = Loader(graph, self.sampler, self.device, self.config,
                              edge_rows=getattr(model, "reads_edge_rows", False),
-                             read_rows=_zero_copy_reads(self.device))
+                             read_rows=_zero_copy_reads(self.device),
+                             read_in_step=self._step_graphs is not None and self.config.cache.read_in_step)
         self.negatives = self.loader.negatives
         self._say(f"features: {self.loader.describe()}")
         self._shape_plan = self._load_shape_plan(graph) if self.device.type == "cuda" \
@@ -435,11 +436,11 @@ class Trainer:
 
     def _step(self, batch: EventBatch, timer: StageTimer, train: bool):
         """One batch: a training step (returns the loss) or an evaluation (returns the scores)."""
-        if train and self._step_graphs is not None:
-            tensors, spec = flatten((batch.inputs, batch.event_feat))
+        if train and self._step_graphs is not None:  # rows left to read (batch.reads): read in the step
+            tensors, spec = flatten((batch.inputs, batch.event_feat, batch.reads))
             with timer("step"):
                 return self._step_graphs(tensors, constant=(batch.size, spec))
-        model, inputs, b = self.model, batch.inputs, batch.size
+        model, inputs, b = self.model, batch.read().inputs, batch.size
         with timer("forward"):
             loss, pos, negs, extra = self._scores(inputs, b, batch.extra)
         if train:
@@ -474,7 +475,9 @@ class Trainer:
     def _whole_step(self, tensors: List[torch.Tensor], b: int, spec: tuple) -> torch.Tensor:
         """Forward, loss, backward, optimizer step and write-back of one training batch (the step
         :class:`~fastopt.runtime.step_graph.StepGraphs` captures)."""
-        inputs, event_feat = unflatten(spec, tensors)
+        inputs, event_feat, reads = unflatten(spec, tensors)
+        if reads is not None:  # SlimCache's zero-copy reads, inside the captured step
+            inputs, event_feat = reads.apply(inputs, event_feat)
         loss, _, _, _ = self._scores(inputs, b, None)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -56,6 +56,7 @@ import torch
 
 from fastopt.config import Config
 from fastopt.errors import CacheError
+from fastopt.runtime.batch import SPLIT_IDS, EventBatch, NegativeSampler, RowReads
 from fastopt.runtime.blocks import SampledBatch, Unique, node_set, set_inverse
 from fastopt.runtime.epoch import EpochStream
 from fastopt.runtime.flatten import flatten
@@ -64,65 +65,7 @@ from fastopt.runtime.staging import pack_tensors, pin_if_room, unpack_tensors
 from fastopt.runtime.streams import copy_stream
 from fastopt.runtime.timing import StageTimer
 
-__all__ = ["EventBatch", "Loader", "NegativeSampler", "StageTimer", "SPLIT_IDS"]
-
-SPLIT_IDS = {"train": 0, "val": 1, "test": 2}
-
-
-class NegativeSampler:
-    """Uniform negative destinations, a pure function of (seed, epoch, split, batch index).
-
-    Drawing per batch from its own key keeps negatives identical across resumes and orderings.
-    """
-
-    def __init__(self, pool: np.ndarray, seed: int) -> None:
-        self.pool = np.asarray(pool, dtype=np.int64)
-        self.seed = seed
-
-    def draw(self, n: int, epoch: int, split: str, batch: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, epoch, SPLIT_IDS[split], batch])
-        return self.pool[rng.integers(0, self.pool.size, size=n)]
-
-
-@dataclass
-class EventBatch:
-    """One chronological batch: its positive events, negatives, roots and, once staged, inputs.
-
-    Roots are ``[src, dst, neg, extra.ravel()]`` at the events' times; ``extra`` holds the MRR
-    negatives ``[B, n]`` of an evaluation batch. ``inputs`` (the model's
-    :class:`~fastopt.runtime.GraphInputs`) and ``event_feat`` (the features of the batch's own
-    events, ``[B, d_edge]``, for the memory write-back) are on the device once staged.
-    """
-
-    index: int
-    start: int
-    stop: int
-    src: np.ndarray
-    dst: np.ndarray
-    ts: np.ndarray
-    neg: np.ndarray
-    extra: Optional[np.ndarray] = None
-    split: str = "train"
-    sampled: Optional[SampledBatch] = None
-    inputs: Optional[GraphInputs] = None
-    event_feat: Optional[torch.Tensor] = None
-    announced: bool = False  # its cached ids were announced to SlimCache (_CachePlanner)
-    padded: Optional[Dict[str, int]] = None  # lengths reserved in batch order (Loader.reserve)
-    root_nodes: Optional[Unique] = None  # the roots' unique ids where no sampler dedups (reserve)
-
-    @property
-    def size(self) -> int:
-        return self.stop - self.start
-
-    @property
-    def roots(self) -> np.ndarray:
-        parts = [self.src, self.dst, self.neg] + ([self.extra.reshape(-1)] if self.extra is not None else [])
-        return np.concatenate(parts)
-
-    @property
-    def times(self) -> np.ndarray:
-        copies = 3 + (self.extra.shape[1] if self.extra is not None else 0)
-        return np.tile(self.ts, copies)
+__all__ = ["EventBatch", "Loader", "NegativeSampler", "RowReads", "StageTimer", "SPLIT_IDS"]
 
 
 @dataclass
@@ -148,10 +91,14 @@ class Loader:
             or None for models without neighbors.
         device: where the model runs.
         config: the whole configuration (``train``, ``pipeline``, ``cache``, ``sampler`` groups).
+        edge_rows: the model reads ``GraphInputs.edge_rows`` (``reads_edge_rows``).
+        read_rows: SlimCache's zero-copy reader (``codegen.cached_rows``), None for none.
+        read_in_step: training batches leave their zero-copy reads to the consumer, who runs
+            them in its captured step (:class:`~fastopt.runtime.batch.RowReads`); edge rows only.
     """
 
     def __init__(self, graph, sampler, device: torch.device, config: Config, *,
-                 edge_rows: bool = False, read_rows: Optional[Callable] = None) -> None:
+                 edge_rows: bool = False, read_rows: Optional[Callable] = None, read_in_step: bool = False) -> None:
         self.graph, self.sampler, self.config = graph, sampler, config
         self._keyed = (None, False)  # (sampler, whether its sample() takes a batch key)
         self.edge_rows = bool(edge_rows)
@@ -186,6 +133,7 @@ class Loader:
                                    config.cache, read_rows=read_rows)
         # the device reads the cache's misses from the pinned table itself (SlimCache.serve)
         self.zero_copy = self.cache is not None and self.cache.zero_copy("edge")
+        self.read_in_step = self.zero_copy and self.edge_rows and bool(read_in_step)
         self.bytes_h2d = 0  # bytes copied host -> device since construction
         self._bytes_lock = threading.Lock()
         self.high_water = HighWater()  # padded unique lengths: only grow (_padded)
@@ -480,8 +428,13 @@ class Loader:
         if self.placement == "device":
             self._gather_device(staged)
         elif "edge_unique" in t:
-            rows = self.cache.serve("edge", t["edge_unique"], unique=staged.batch.sampled.unique_eids,
-                                    counted=staged.batch.index >= 0)
+            batch = staged.batch
+            if self.read_in_step and batch.split == "train" and batch.index >= 0:  # read by the step
+                self.cache.count("edge", batch.sampled.unique_eids)
+                batch.reads = RowReads(t["edge_unique"], self.cache.reader("edge"), staged.event_rows)
+                return
+            rows = self.cache.serve("edge", t["edge_unique"], unique=batch.sampled.unique_eids,
+                                    counted=batch.index >= 0)
             t["edge_rows"] = rows[:rows.shape[0] - staged.event_rows]
             if staged.event_rows:  # the batch's own events' rows, read in the same launch
                 t["event_rows"] = rows[rows.shape[0] - staged.event_rows:]
@@ -533,7 +486,7 @@ class Loader:
             if edge_feat is None:
                 edge_feat = self._expand_edges(staged, layers)
         batch.event_feat = t.get("event_rows")
-        if batch.event_feat is None:
+        if batch.event_feat is None and not (batch.reads is not None and batch.reads.events):
             batch.event_feat = torch.zeros(batch.size, 0, device=self.device)
         batch.inputs = GraphInputs(nodes, times, node_feat, edge_feat, dt, mask,
                                    unique_nodes=t["unique_nodes"], node_inverse=t["node_inverse"],
@@ -576,6 +529,8 @@ class Loader:
         """``(rows, index)`` with ``rows[index]`` (or ``rows`` when index is None) the edge
         features of every layer's slots, flattened in layer order."""
         t = staged.tensors
+        if staged.batch.reads is not None:  # read by the consumer (RowReads)
+            return None, t["edge_inverse"]
         if staged.pending is not None:  # SlimCache's unique rows, padded like the device path's
             served = self.cache.finish(staged.pending)
             rows = self._padded_rows(served.rows.reshape(served.rows.shape[0], -1), staged.batch)

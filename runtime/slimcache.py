@@ -291,14 +291,33 @@ class SlimCache:
         the current stream, in one launch; ``unique``: the batch's unique ids on the host (with
         -1 for padding), which the counters and the next hot set count (``counted=False``: a
         lookup outside the epoch, which counts nothing)."""
+        if counted:
+            self.count(table, unique)
+        return self.reader(table)(ids)
+
+    def count(self, table: str, unique: Unique) -> None:
+        """Count a zero-copy read of ``unique`` (a batch's unique ids on the host, -1 for padding)
+        that :meth:`reader`'s function runs, on whichever stream and thread: the counters and the
+        next hot set, as :meth:`serve` counts."""
         with self._lock:
-            t = self._table(table)
-            if t.read_rows is None:
-                raise CacheError(f"table {table!r} is not read zero-copy (cache.host_reads, a pinned "
-                                 f"static table on a GPU); use stage()/finish() or lookup()")
-            self._seal(None)
+            t = self._zero_copy_table(table)
             values, inverse, pad = t.unique_of(unique)
-            return t.serve(ids, values[pad:], t.requested(inverse, pad) if counted else 0, counted)
+            t.served(values[pad:], t.requested(inverse, pad))
+
+    def reader(self, table: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``read(ids)``: rows of zero-copy ``table`` for device ``ids`` in one launch on the
+        current stream, counting nothing (:meth:`count`). The same function for the cache's
+        life: its tensors keep their addresses, so a CUDA graph may capture a read."""
+        with self._lock:
+            return self._zero_copy_table(table).read
+
+    def _zero_copy_table(self, table: str) -> TableCache:
+        t = self._table(table)
+        if t.read_rows is None:
+            raise CacheError(f"table {table!r} is not read zero-copy (cache.host_reads, a pinned "
+                             f"static table on a GPU); use stage()/finish() or lookup()")
+        self._seal(None)
+        return t
 
     def zero_copy(self, table: str) -> bool:
         """Whether ``table`` is served by :meth:`serve` (zero-copy reads)."""

@@ -343,13 +343,16 @@ class TableCache:
 
     # ---------------------------------------------------------------- zero-copy reads
 
-    def serve(self, ids: torch.Tensor, values: torch.Tensor, requested: int, counted: bool) -> torch.Tensor:
+    def served(self, values: torch.Tensor, requested: int) -> None:
+        """Count a batch's zero-copy read of ``values`` (its unique valid ids, on the host) in the
+        counters and the next hot set."""
+        # NumPy on a staging thread: torch's intra-op pool would contend with the sampler's
+        self._count(values, requested, int(np.count_nonzero(self.directory.slot_of.numpy()[values.numpy()] >= 0)))
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of ``ids`` (on the device, any valid rows) read on the current stream by one
-        launch: hits from the slots, the rest from the host table by the device itself.
-        ``values``: the batch's unique valid ids on the host, for the counters and the next hot
-        set (``counted=False``: a lookup outside the epoch, neither)."""
-        if counted:  # NumPy on a staging thread: torch's intra-op pool would contend with the sampler's
-            self._count(values, requested, int(np.count_nonzero(self.directory.slot_of.numpy()[values.numpy()] >= 0)))
+        launch: hits from the slots, the rest from the host table by the device itself. The
+        slots, slot map and table keep their addresses: a captured read stays valid."""
         rows = self._reader(ids)
         return rows.reshape(-1) if self.is_1d else rows
 

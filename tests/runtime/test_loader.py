@@ -168,7 +168,34 @@ def test_inputs_read_late_by_the_step_are_those_staged(small_graph, placement, h
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("placement", ["device", "host", "zero_copy"])
+def _staged_as_on_cuda(monkeypatch, g, placement: str, edge_rows: bool, as_on_cuda: bool = True) -> Loader:
+    """A CPU loader that stages as on a GPU (:func:`test_the_cuda_staging_path_builds_the_cpu_paths_inputs`):
+    the copies no-ops, no padding, nothing pinned; ``placement`` "device", "host", "zero_copy"
+    (SlimCache's zero-copy reads through the kernel's reference) or "in_step" (those reads left to
+    the step: ``read_in_step``)."""
+    from fastopt.codegen import cached_rows
+    from fastopt.runtime import CacheTable, SlimCache
+
+    import fastopt.runtime.loader as loader_module
+
+    pack = loader_module.pack_tensors
+    monkeypatch.setattr(loader_module, "pack_tensors", lambda tensors, pinned: pack(tensors, pinned=False))
+    monkeypatch.setattr(torch.cuda, "Event", lambda: type("Event", (), {"record": lambda self, stream: None})())
+    cfg = config(cache__placement="device" if placement == "device" else "host", cache__host_reads="zero_copy",
+                 cache__budget_fraction=0.2)
+    made = Loader(g, NumpySampler(g, [3, 2], "uniform", seed=5), torch.device("cpu"), cfg, edge_rows=edge_rows)
+    if as_on_cuda:
+        made.cuda, made._copy_stream = True, None
+        made._padded = lambda ids, kind, roots, batch=None: ids
+        made._gather_host = lambda table, ids: table.index_select(0, ids)
+        if placement in ("zero_copy", "in_step") and made.edge_table is not None:
+            made.cache = SlimCache({"edge": CacheTable(made.edge_table)}, "cpu", cfg.cache, read_rows=cached_rows)
+            made.zero_copy = made.cache.zero_copy("edge")
+            made.read_in_step = made.zero_copy and edge_rows and placement == "in_step"
+    return made
+
+
+@pytest.mark.parametrize("placement", ["device", "host", "zero_copy", "in_step"])
 @pytest.mark.parametrize("features,edge_rows", [(True, True), (True, False), (False, True)])
 def test_the_cuda_staging_path_builds_the_cpu_paths_inputs(small_graph, monkeypatch, features, edge_rows, placement):
     """The staging steps a GPU runs (one packed upload, the inputs built by the staging thread,
@@ -176,48 +203,60 @@ def test_the_cuda_staging_path_builds_the_cpu_paths_inputs(small_graph, monkeypa
     CPU path builds in ``finish``, every tensor lives in a recorded allocation or a kept table,
     and a graph without features stages too. ``zero_copy``: host features served by SlimCache's
     zero-copy reads (the kernel's reference on the CPU), the batch's event rows read with its
-    edge rows."""
-    from fastopt.codegen import cached_rows
-    from fastopt.runtime import CacheTable, SlimCache
-
-    import fastopt.runtime.loader as loader_module
+    edge rows; ``in_step``: those reads left to the step, which gets them through its flattened
+    arguments (as a captured step does) and reads them there."""
     from fastopt.data import TemporalGraph
-    from fastopt.runtime.flatten import flatten
+    from fastopt.runtime.flatten import flatten, unflatten
 
     g = small_graph if features else TemporalGraph(small_graph.src, small_graph.dst, small_graph.ts,
                                                    small_graph.num_nodes, name="bare", bipartite=small_graph.bipartite)
-    pack = loader_module.pack_tensors
-    monkeypatch.setattr(loader_module, "pack_tensors", lambda tensors, pinned: pack(tensors, pinned=False))
-    monkeypatch.setattr(torch.cuda, "Event", lambda: type("Event", (), {"record": lambda self, stream: None})())
-
-    def loader(as_on_cuda):
-        cfg = config(cache__placement="device" if placement == "device" else "host", cache__host_reads="zero_copy",
-                     cache__budget_fraction=0.2)
-        made = Loader(g, NumpySampler(g, [3, 2], "uniform", seed=5), torch.device("cpu"), cfg, edge_rows=edge_rows)
-        if as_on_cuda:  # the copy stream a no-op, no padding (the CPU path pads nothing), nothing pinned
-            made.cuda, made._copy_stream = True, None
-            made._padded = lambda ids, kind, roots, batch=None: ids
-            made._gather_host = lambda table, ids: table.index_select(0, ids)
-            if placement == "zero_copy" and made.edge_table is not None:
-                made.cache = SlimCache({"edge": CacheTable(made.edge_table)}, "cpu", cfg.cache, read_rows=cached_rows)
-                made.zero_copy = made.cache.zero_copy("edge")
-        return made
-
-    plain, staged_ahead = loader(False), loader(True)
-    assert staged_ahead.zero_copy == (placement == "zero_copy" and features)
+    plain = _staged_as_on_cuda(monkeypatch, g, placement, edge_rows, as_on_cuda=False)
+    staged_ahead = _staged_as_on_cuda(monkeypatch, g, placement, edge_rows)
+    assert staged_ahead.zero_copy == (placement in ("zero_copy", "in_step") and features)
+    in_step = staged_ahead.read_in_step
+    assert in_step == (placement == "in_step" and features and edge_rows)
     kept = {t.untyped_storage().data_ptr() for t in (staged_ahead.edge_table, staged_ahead.node_table) if t is not None}
     for want_batch, batch in zip(plain.plan("train", 0), staged_ahead.plan("train", 0), strict=True):
         want, spec = flatten((plain.finish(plain.stage(want_batch)).inputs, want_batch.event_feat))
         staged = staged_ahead.stage(batch)
         assert staged.built and staged.event is not None
+        assert (batch.reads is not None) == in_step
+        owned = {t.untyped_storage().data_ptr() for t in staged.owners}
+        if in_step:  # nothing read yet; the step reads the ids it was handed
+            assert batch.inputs.edge_rows is None and batch.event_feat is None
+            assert batch.reads.ids.untyped_storage().data_ptr() in owned
+            tensors, step_spec = flatten((batch.inputs, batch.event_feat, batch.reads))
+            inputs, event_feat, reads = unflatten(step_spec, [t.clone() for t in tensors])
+            got, got_spec = flatten(reads.apply(inputs, event_feat))
+            assert got_spec == spec and all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+            got, got_spec = flatten((batch.read().inputs, batch.event_feat))  # read where it is
+            assert batch.reads is None
+        else:
+            got, got_spec = flatten((batch.inputs, batch.event_feat))
         if staged_ahead.zero_copy and edge_rows:
             assert staged.event_rows == batch.size and batch.event_feat.untyped_storage().data_ptr() == \
                 batch.inputs.edge_rows.untyped_storage().data_ptr()
-        got, got_spec = flatten((batch.inputs, batch.event_feat))
         assert got_spec == spec and all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
-        owned = {t.untyped_storage().data_ptr() for t in staged.owners}
         assert owned.isdisjoint(kept) and len(owned) == len(staged.owners)
-        assert all(t.numel() == 0 or t.untyped_storage().data_ptr() in owned | kept for t in got)
+        assert in_step or all(t.numel() == 0 or t.untyped_storage().data_ptr() in owned | kept for t in got)
+
+
+def test_reads_left_to_the_step_count_as_read_rows(small_graph, monkeypatch):
+    """A training batch whose zero-copy reads the step runs counts in SlimCache as one served at
+    staging (the counters, and the uses that pick the next epoch's hot set); an evaluation batch
+    is served at staging either way."""
+    served, in_step = (_staged_as_on_cuda(monkeypatch, small_graph, p, True) for p in ("zero_copy", "in_step"))
+    for split in ("train", "val"):
+        for loader in (served, in_step):
+            loader.cache.begin_epoch(split)  # (Loader.begin_epoch's stream ordering aside)
+            for batch in loader.plan(split, 0):
+                loader.stage(batch)
+                assert (batch.reads is not None) == (loader is in_step and split == "train")
+    a, b = served.cache.counters("edge"), in_step.cache.counters("edge")
+    assert a.batches > 0 and a == b
+    ta, tb = served.cache._table("edge"), in_step.cache._table("edge")
+    assert ta.used.keys() == tb.used.keys() and torch.equal(ta.seen, tb.seen)
+    assert all(torch.equal(ta.used[k], tb.used[k]) for k in ta.used)
 
 
 @pytest.fixture

@@ -125,6 +125,31 @@ def test_trainer_with_step_graphs_matches_eager_steps(small_graph, name):
     assert abs(runs[0][1] - runs[1][1]) < {"tgn": 1e-2, "tgat": 0.05}[name]
 
 
+def test_zero_copy_reads_inside_the_captured_step_train_as_reads_at_staging(small_graph):
+    """Host features read zero-copy by the captured step itself (``cache.read_in_step``) train
+    bit for bit as rows read by the staging threads: the same rows, losses, weights and cache
+    counters; the steps replay (the reader's tensors keep their addresses)."""
+    runs = []
+    for in_step in (False, True):
+        cfg = Config()
+        cfg.train.device, cfg.train.batch_size, cfg.train.mrr_negatives = "cuda", 200, 0
+        cfg.train.optimize, cfg.pipeline.step_graphs, cfg.pipeline.shape_plans = "on", "on", False
+        cfg.cache.placement, cfg.cache.host_reads, cfg.cache.budget_fraction = "host", "zero_copy", 0.2
+        cfg.cache.read_in_step = in_step
+        torch.manual_seed(0)
+        t = Trainer(build_model("tgn", small_graph, memory_dim=16, dim=16, time_dim=8, dropout=0.0), small_graph,
+                    cfg, progress=False)
+        assert t.loader.zero_copy and t.loader.read_in_step == in_step
+        t.fit(2)
+        graphs = t._step_graphs
+        assert graphs.captures >= 1 and graphs.replays > 0 and graphs.disabled is None, graphs.disabled_trace
+        state = {k: v.detach().cpu().clone() for k, v in t.model.state_dict().items()}
+        runs.append(([h["loss"] for h in t.history], state, t.loader.cache.counters("edge"), t.test_metrics["ap"]))
+    (losses, state, counters, ap), (losses2, state2, counters2, ap2) = runs
+    assert losses == losses2 and counters == counters2 and ap == ap2
+    assert all(torch.equal(state[k], state2[k]) for k in state)
+
+
 def test_a_run_settles_on_one_captured_shape_per_batch_size(small_graph):
     """The unique nodes are padded to the largest length seen, so a later epoch captures nothing new
     (per-batch lengths used to make more shapes than the graphs kept: a capture every few steps)."""
