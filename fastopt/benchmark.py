@@ -341,7 +341,7 @@ def _warm_batch(trainer, eager: nn.Module, batches: int = 20):
         own = {name.removeprefix("_orig_mod."): b for name, b in model.named_buffers()}
         for name, b in eager.named_buffers():
             b.copy_(own[name])
-    return batch.inputs
+    return batch.read().inputs  # (a batch not stepped may hold rows the step would read)
 
 
 def _same_inputs(a, b) -> None:

@@ -7,6 +7,7 @@ Layering: imports nothing of fastopt but other runtime modules.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
@@ -41,21 +42,31 @@ class RowReads(NamedTuple):
     zero-copy reads of a training batch run inside the captured training step (one graph node,
     no launch on the staging threads; ``cache.read_in_step``).
 
-    A named tuple of a tensor and constants, so that :func:`~fastopt.runtime.flatten.flatten`
-    makes ``ids`` an input of the step's graph and ``read`` (one per cache, whose tensors keep
-    their addresses) part of its key.
+    A named tuple of tensors and constants, so that :func:`~fastopt.runtime.flatten.flatten`
+    makes ``ids`` and ``index`` inputs of the step's graph and ``read`` (one per cache, whose
+    tensors keep their addresses) and ``shapes`` part of its key.
     """
 
     ids: torch.Tensor  # the unique edge ids (padded), then the batch's own events' (on the device)
     read: Callable[[torch.Tensor], torch.Tensor]  # ids -> rows, on the current stream
     events: int  # trailing rows that are the batch's own events' features
+    # models reading per-slot features: every layer's slots' rows (flattened in layer order) and
+    # each layer's [M_i, k_i] (None: the model reads GraphInputs.edge_rows)
+    index: Optional[torch.Tensor] = None
+    shapes: Tuple[Tuple[int, ...], ...] = ()
 
     def apply(self, inputs: GraphInputs, event_feat: Optional[torch.Tensor]) -> Tuple[GraphInputs, Optional[torch.Tensor]]:
-        """``inputs`` with the rows read as its ``edge_rows``, and the events' features."""
+        """``inputs`` with the rows read (as ``edge_rows``, or expanded per slot as
+        ``edge_feat``), and the events' features."""
         rows = self.read(self.ids)
         n = rows.shape[0] - self.events
         inputs = copy.copy(inputs)
-        inputs.edge_rows = rows[:n]
+        if self.index is None:
+            inputs.edge_rows = rows[:n]
+        else:
+            flat = rows[:n].index_select(0, self.index)
+            pieces = torch.split(flat, [math.prod(s) for s in self.shapes])
+            inputs.edge_feat = [piece.view(*s, -1) for piece, s in zip(pieces, self.shapes)]
         return inputs, (rows[n:] if self.events else event_feat)
 
 

@@ -94,7 +94,7 @@ class Loader:
         edge_rows: the model reads ``GraphInputs.edge_rows`` (``reads_edge_rows``).
         read_rows: SlimCache's zero-copy reader (``codegen.cached_rows``), None for none.
         read_in_step: training batches leave their zero-copy reads to the consumer, who runs
-            them in its captured step (:class:`~fastopt.runtime.batch.RowReads`); edge rows only.
+            them in its captured step (:class:`~fastopt.runtime.batch.RowReads`).
     """
 
     def __init__(self, graph, sampler, device: torch.device, config: Config, *,
@@ -133,7 +133,7 @@ class Loader:
                                    config.cache, read_rows=read_rows)
         # the device reads the cache's misses from the pinned table itself (SlimCache.serve)
         self.zero_copy = self.cache is not None and self.cache.zero_copy("edge")
-        self.read_in_step = self.zero_copy and self.edge_rows and bool(read_in_step)
+        self.read_in_step = self.zero_copy and bool(read_in_step)
         self.bytes_h2d = 0  # bytes copied host -> device since construction
         self._bytes_lock = threading.Lock()
         self.high_water = HighWater()  # padded unique lengths: only grow (_padded)
@@ -431,7 +431,9 @@ class Loader:
             batch = staged.batch
             if self.read_in_step and batch.split == "train" and batch.index >= 0:  # read by the step
                 self.cache.count("edge", batch.sampled.unique_eids)
-                batch.reads = RowReads(t["edge_unique"], self.cache.reader("edge"), staged.event_rows)
+                index, shapes = (None, ()) if self.edge_rows else \
+                    (t["edge_inverse"], tuple(tuple(t[f"mask{i}"].shape) for i in range(staged.layers)))
+                batch.reads = RowReads(t["edge_unique"], self.cache.reader("edge"), staged.event_rows, index, shapes)
                 return
             rows = self.cache.serve("edge", t["edge_unique"], unique=batch.sampled.unique_eids,
                                     counted=batch.index >= 0)
@@ -481,6 +483,8 @@ class Loader:
         if self.edge_rows:
             edge_feat = []
             edge_rows, edge_index = self._edge_rows(staged, layers)
+        elif batch.reads is not None:
+            edge_feat = []  # expanded per slot where the rows are read (RowReads)
         else:
             edge_feat = t.get("edge_feat")
             if edge_feat is None:

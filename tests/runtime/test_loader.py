@@ -191,7 +191,7 @@ def _staged_as_on_cuda(monkeypatch, g, placement: str, edge_rows: bool, as_on_cu
         if placement in ("zero_copy", "in_step") and made.edge_table is not None:
             made.cache = SlimCache({"edge": CacheTable(made.edge_table)}, "cpu", cfg.cache, read_rows=cached_rows)
             made.zero_copy = made.cache.zero_copy("edge")
-            made.read_in_step = made.zero_copy and edge_rows and placement == "in_step"
+            made.read_in_step = made.zero_copy and placement == "in_step"
     return made
 
 
@@ -214,7 +214,7 @@ def test_the_cuda_staging_path_builds_the_cpu_paths_inputs(small_graph, monkeypa
     staged_ahead = _staged_as_on_cuda(monkeypatch, g, placement, edge_rows)
     assert staged_ahead.zero_copy == (placement in ("zero_copy", "in_step") and features)
     in_step = staged_ahead.read_in_step
-    assert in_step == (placement == "in_step" and features and edge_rows)
+    assert in_step == (placement == "in_step" and features)
     kept = {t.untyped_storage().data_ptr() for t in (staged_ahead.edge_table, staged_ahead.node_table) if t is not None}
     for want_batch, batch in zip(plain.plan("train", 0), staged_ahead.plan("train", 0), strict=True):
         want, spec = flatten((plain.finish(plain.stage(want_batch)).inputs, want_batch.event_feat))
@@ -223,7 +223,7 @@ def test_the_cuda_staging_path_builds_the_cpu_paths_inputs(small_graph, monkeypa
         assert (batch.reads is not None) == in_step
         owned = {t.untyped_storage().data_ptr() for t in staged.owners}
         if in_step:  # nothing read yet; the step reads the ids it was handed
-            assert batch.inputs.edge_rows is None and batch.event_feat is None
+            assert batch.inputs.edge_rows is None and batch.inputs.edge_feat == [] and batch.event_feat is None
             assert batch.reads.ids.untyped_storage().data_ptr() in owned
             tensors, step_spec = flatten((batch.inputs, batch.event_feat, batch.reads))
             inputs, event_feat, reads = unflatten(step_spec, [t.clone() for t in tensors])
@@ -241,11 +241,12 @@ def test_the_cuda_staging_path_builds_the_cpu_paths_inputs(small_graph, monkeypa
         assert in_step or all(t.numel() == 0 or t.untyped_storage().data_ptr() in owned | kept for t in got)
 
 
-def test_reads_left_to_the_step_count_as_read_rows(small_graph, monkeypatch):
+@pytest.mark.parametrize("edge_rows", [True, False])
+def test_reads_left_to_the_step_count_as_read_rows(small_graph, monkeypatch, edge_rows):
     """A training batch whose zero-copy reads the step runs counts in SlimCache as one served at
     staging (the counters, and the uses that pick the next epoch's hot set); an evaluation batch
     is served at staging either way."""
-    served, in_step = (_staged_as_on_cuda(monkeypatch, small_graph, p, True) for p in ("zero_copy", "in_step"))
+    served, in_step = (_staged_as_on_cuda(monkeypatch, small_graph, p, edge_rows) for p in ("zero_copy", "in_step"))
     for split in ("train", "val"):
         for loader in (served, in_step):
             loader.cache.begin_epoch(split)  # (Loader.begin_epoch's stream ordering aside)

@@ -125,10 +125,12 @@ def test_trainer_with_step_graphs_matches_eager_steps(small_graph, name):
     assert abs(runs[0][1] - runs[1][1]) < {"tgn": 1e-2, "tgat": 0.05}[name]
 
 
-def test_zero_copy_reads_inside_the_captured_step_train_as_reads_at_staging(small_graph):
+@pytest.mark.parametrize("name", ["tgn", "tgat"])
+def test_zero_copy_reads_inside_the_captured_step_train_as_reads_at_staging(small_graph, name):
     """Host features read zero-copy by the captured step itself (``cache.read_in_step``) train
     bit for bit as rows read by the staging threads: the same rows, losses, weights and cache
-    counters; the steps replay (the reader's tensors keep their addresses)."""
+    counters; the steps replay (the reader's tensors keep their addresses). TGN reads per-slot
+    features (the rows expanded in the step), TGAT unique edge rows."""
     runs = []
     for in_step in (False, True):
         cfg = Config()
@@ -137,8 +139,8 @@ def test_zero_copy_reads_inside_the_captured_step_train_as_reads_at_staging(smal
         cfg.cache.placement, cfg.cache.host_reads, cfg.cache.budget_fraction = "host", "zero_copy", 0.2
         cfg.cache.read_in_step = in_step
         torch.manual_seed(0)
-        t = Trainer(build_model("tgn", small_graph, memory_dim=16, dim=16, time_dim=8, dropout=0.0), small_graph,
-                    cfg, progress=False)
+        kwargs = {"tgn": dict(memory_dim=16, dim=16, time_dim=8), "tgat": dict(dim=16, time_dim=8, fanouts=(4, 3))}[name]
+        t = Trainer(build_model(name, small_graph, dropout=0.0, **kwargs), small_graph, cfg, progress=False)
         assert t.loader.zero_copy and t.loader.read_in_step == in_step
         t.fit(2)
         graphs = t._step_graphs
