@@ -129,22 +129,25 @@ def test_host_placement_on_cuda_gives_the_device_paths_inputs_bitwise(small_grap
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("placement,host_reads,edge_rows", [("device", "auto", True), ("device", "auto", False),
-                                                            ("host", "zero_copy", True), ("host", "staged", True)])
+                                                            ("host", "zero_copy", True), ("host", "zero_copy", False),
+                                                            ("host", "staged", True)])
 def test_inputs_read_late_by_the_step_are_those_staged(small_graph, placement, host_reads, edge_rows):
     """The consumer records on its stream only the allocations a staged batch's tensors live in
     (built by the staging threads, ahead): a step that reads its inputs late, while the staging
     threads allocate and copy the next batches on the copy stream, must still read what was
     staged. Each batch's inputs are copied after a half-millisecond sleep on the compute stream,
     the batch then dropped; the copies must equal those of a run that waits for the device at
-    every batch."""
+    every batch. Zero-copy reads left to the step (``read_in_step``, read after the sleep) read
+    the rows the staging threads read."""
     from fastopt.codegen import cached_rows
     from fastopt.runtime.flatten import flatten
 
-    def run(late: bool):
+    def run(late: bool, in_step: bool = False):
         cfg = config(cache__placement=placement, cache__host_reads=host_reads, cache__budget_fraction=0.2,
                      train__device="cuda")
         loader = Loader(small_graph, NumpySampler(small_graph, [3, 2], "uniform", seed=5), torch.device("cuda"),
-                        cfg, edge_rows=edge_rows, read_rows=cached_rows)
+                        cfg, edge_rows=edge_rows, read_rows=cached_rows, read_in_step=in_step)
+        assert loader.read_in_step == (in_step and host_reads == "zero_copy")
         finish, built = loader.finish, []
         loader.finish = lambda staged: built.append(staged.built) or finish(staged)
         copies = []
@@ -154,18 +157,20 @@ def test_inputs_read_late_by_the_step_are_those_staged(small_graph, placement, h
                     torch.cuda._sleep(1_000_000)  # cycles: the step has not read its inputs yet
                 else:
                     torch.cuda.synchronize()
-                copies.append([t.clone() for t in flatten((b.inputs, b.event_feat))[0]])
-                if placement == "host" and host_reads == "zero_copy":  # the events' rows came with the edge rows
+                assert (b.reads is not None) == loader.read_in_step
+                copies.append([t.clone() for t in flatten((b.read().inputs, b.event_feat))[0]])
+                if host_reads == "zero_copy" and edge_rows:  # the events' rows came with the edge rows
                     assert b.event_feat.untyped_storage().data_ptr() == b.inputs.edge_rows.untyped_storage().data_ptr()
                 del b
         # built by the staging threads, but where a SlimCache lookup finishes on the training thread
         assert built and all(x == (host_reads != "staged") for x in built)
         return copies
 
-    late, settled = run(True), run(False)
-    assert len(late) == len(settled)
-    for a, b in zip(late, settled):
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    settled = run(False)
+    for late in (run(True),) + ((run(True, in_step=True),) if host_reads == "zero_copy" else ()):
+        assert len(late) == len(settled)
+        for a, b in zip(late, settled):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _staged_as_on_cuda(monkeypatch, g, placement: str, edge_rows: bool, as_on_cuda: bool = True) -> Loader:

@@ -67,6 +67,28 @@ def test_a_step_that_cannot_be_captured_runs_eagerly():
     assert torch.nn.functional.dropout(x, 0.5).shape == x.shape
 
 
+def _assert_trained_alike(first: dict, second: dict, lr: float, when: str) -> None:
+    """Two state dicts of one model trained alike up to float32 rounding (see
+    :func:`test_trainer_with_step_graphs_matches_eager_steps`)."""
+    for key in first:
+        a, b = first[key], second[key]
+        if key.startswith("memory."):
+            if a.is_floating_point():
+                off = ((a - b).abs() > 1e-4 + 1e-3 * b.abs()).float().mean()
+                assert off < 0.05 and (a - b).abs().mean() < 1e-3, (key, float(off))
+            continue
+        if key.endswith("w_k.bias"):
+            # the keys' bias adds one constant to all scores of a row, which the softmax removes:
+            # its gradient is rounding noise, which Adam scales up to steps of ~0.1 lr, so two
+            # runs rounding differently walk it apart
+            continue
+        # a time encoding's lowest frequencies (~1e-9 at the start) turn every gap into a phase of
+        # a few ulps, so their gradient's sign is rounding too, and Adam makes each such step a
+        # whole lr: allow them two steps of drift (0.0001007 at a0ade43, lr 1e-4)
+        atol = 2 * lr if ".time_enc." in key else 1e-4
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=atol, msg=lambda m: f"{key}, {when}: {m}")
+
+
 @pytest.mark.parametrize("name", ["tgn", "tgat"])
 def test_trainer_with_step_graphs_matches_eager_steps(small_graph, name):
     """Same losses, metrics and weights; the node memory the same after an epoch.
@@ -99,23 +121,7 @@ def test_trainer_with_step_graphs_matches_eager_steps(small_graph, name):
         runs.append(([h["loss"] for h in t.history], t.test_metrics["ap"], states))
     torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-4, atol=1e-5)
     for epoch, (first, second) in enumerate(zip(runs[0][2], runs[1][2])):
-        for key in first:
-            a, b = first[key], second[key]
-            if key.startswith("memory."):
-                if a.is_floating_point():
-                    off = ((a - b).abs() > 1e-4 + 1e-3 * b.abs()).float().mean()
-                    assert off < 0.05 and (a - b).abs().mean() < 1e-3, (key, float(off))
-                continue
-            if key.endswith("w_k.bias"):
-                # the keys' bias adds one constant to all scores of a row, which the softmax removes:
-                # its gradient is rounding noise, which Adam scales up to steps of ~0.1 lr, so two
-                # runs rounding differently walk it apart
-                continue
-            # a time encoding's lowest frequencies (~1e-9 at the start) turn every gap into a phase of
-            # a few ulps, so their gradient's sign is rounding too, and Adam makes each such step a
-            # whole lr: allow them two steps of drift (0.0001007 at a0ade43, lr 1e-4)
-            atol = 2 * cfg.train.lr if ".time_enc." in key else 1e-4
-            torch.testing.assert_close(a, b, rtol=1e-3, atol=atol, msg=lambda m: f"{key}, epoch {epoch}: {m}")
+        _assert_trained_alike(first, second, cfg.train.lr, f"epoch {epoch}")
     # test AP over the small graph's 450 test events: one pair of scores swapping order moves it by
     # ~2e-3, which weights equal to rtol 1e-3 allow (TGAT with merged repeats: 4.2e-3 on the H200).
     # This TGAT is near chance after two epochs (test AP 0.54 on the CPU, where 181 of its 471
@@ -128,8 +134,8 @@ def test_trainer_with_step_graphs_matches_eager_steps(small_graph, name):
 @pytest.mark.parametrize("name", ["tgn", "tgat"])
 def test_zero_copy_reads_inside_the_captured_step_train_as_reads_at_staging(small_graph, name):
     """Host features read zero-copy by the captured step itself (``cache.read_in_step``) train
-    bit for bit as rows read by the staging threads: the same rows, losses, weights and cache
-    counters; the steps replay (the reader's tensors keep their addresses). TGN reads per-slot
+    as rows read by the staging threads: the same cache counters, losses and weights up to
+    rounding; the steps replay (the reader's tensors keep their addresses). TGN reads per-slot
     features (the rows expanded in the step), TGAT unique edge rows."""
     runs = []
     for in_step in (False, True):
@@ -148,8 +154,12 @@ def test_zero_copy_reads_inside_the_captured_step_train_as_reads_at_staging(smal
         state = {k: v.detach().cpu().clone() for k, v in t.model.state_dict().items()}
         runs.append(([h["loss"] for h in t.history], state, t.loader.cache.counters("edge"), t.test_metrics["ap"]))
     (losses, state, counters, ap), (losses2, state2, counters2, ap2) = runs
-    assert losses == losses2 and counters == counters2 and ap == ap2
-    assert all(torch.equal(state[k], state2[k]) for k in state)
+    assert counters == counters2
+    # the same rows, but not bit for bit the same training: the backward's atomic additions
+    # round in the order they land (losses 1.3783196 and 1.3783194 after an epoch on the H200)
+    torch.testing.assert_close(losses, losses2, rtol=1e-4, atol=1e-5)
+    _assert_trained_alike(state, state2, cfg.train.lr, "after two epochs")
+    assert abs(ap - ap2) < {"tgn": 1e-2, "tgat": 0.05}[name]  # (measured spread: the test above)
 
 
 def test_a_run_settles_on_one_captured_shape_per_batch_size(small_graph):
