@@ -32,7 +32,8 @@ plan -> sample -> stage -> :class:`~fastopt.runtime.GraphInputs`, ahead of the s
 * **Hand over.** The model receives per-slot tensors (expanded on the device) and the batch's
   unique nodes with their inverse index, the unique count padded on CUDA to the largest bucketed
   length seen so far for batches of that many roots (:class:`~fastopt.runtime.inputs.HighWater`), so that a captured step sees
-  one shape once batches stop growing.
+  one shape once batches stop growing. With ``read_in_step`` a training batch's zero-copy reads are
+  left to the consumer (``EventBatch.reads``), which runs them inside its captured step.
 
 An exception in a background thread is raised in the consuming thread at the batch where it
 happened; leaving the ``with`` block (normally, by an exception or Ctrl-C) stops the threads and
