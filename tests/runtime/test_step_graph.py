@@ -155,10 +155,15 @@ def test_zero_copy_reads_inside_the_captured_step_train_as_reads_at_staging(smal
         runs.append(([h["loss"] for h in t.history], state, t.loader.cache.counters("edge"), t.test_metrics["ap"]))
     (losses, state, counters, ap), (losses2, state2, counters2, ap2) = runs
     assert counters == counters2
-    # the same rows, but not bit for bit the same training: the backward's atomic additions
-    # round in the order they land (losses 1.3783196 and 1.3783194 after an epoch on the H200)
-    torch.testing.assert_close(losses, losses2, rtol=1e-4, atol=1e-5)
-    _assert_trained_alike(state, state2, cfg.train.lr, "after two epochs")
+    # The same rows (bit for bit: test_loader's test_inputs_read_late_by_the_step_are_those_staged),
+    # but not bit for bit the same training: the backward's atomic additions round in the order
+    # they land (TGN's losses 1.3783196 and 1.3783194 after an epoch on the H200). This TGAT is
+    # near chance and amplifies rounding: its second epoch's losses were 1.3e-4 and 2.7e-4 apart
+    # (relative) in two of three H200 runs at 4b900d5 (its first epoch's 2.4e-8 at 6a0bf1c), so
+    # only its losses are compared, within 1e-3
+    torch.testing.assert_close(losses, losses2, rtol={"tgn": 1e-4, "tgat": 1e-3}[name], atol=1e-5)
+    if name == "tgn":
+        _assert_trained_alike(state, state2, cfg.train.lr, "after two epochs")
     assert abs(ap - ap2) < {"tgn": 1e-2, "tgat": 0.05}[name]  # (measured spread: the test above)
 
 
