@@ -28,6 +28,7 @@ padding helpers).
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -42,7 +43,7 @@ from fastopt.runtime.flatten import flatten, unflatten
 from fastopt.runtime.padding import RowPad, constant_rows
 from fastopt.runtime.streams import warmup_stream
 
-__all__ = ["GraphPair", "Uncapturable", "WARMUP_CALLS", "replayable_writes", "end_generator_capture"]
+__all__ = ["GraphPair", "Uncapturable", "WARMUP_CALLS", "capture_into", "replayable_writes", "end_generator_capture"]
 
 # Forward+backward calls on a side stream before a capture (lazy initialization, Triton
 # compilation and cuBLAS workspaces happen there, never inside the capture).
@@ -181,6 +182,25 @@ def _aliased_parameters(module: nn.Module, params: Sequence[Tensor]):
             m._parameters[name] = p
 
 
+@contextlib.contextmanager
+def capture_into(graph: "torch.cuda.CUDAGraph", pool=None):
+    """Capture the work of the block into ``graph`` (``pool``: a memory pool it shares), as every
+    capture of fastopt's runs: ``thread_local``, so that the loader's threads keep staging
+    meanwhile, and with Python's cyclic garbage collector paused. A collection inside the capture
+    would run the finalizers of whatever garbage it found there, and a finalizer may synchronize
+    the device (a pinned table's unregistration, when a dropped trainer's loader is collected),
+    which a capture forbids: the capture would fail and its steps run eagerly. Torch's graph
+    context no longer collects before a capture; garbage is collected after it."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if paused:
+            gc.enable()
+
+
 def end_generator_capture(device: torch.device) -> None:
     """Leave the CUDA generator out of capture mode after a failed capture.
 
@@ -193,8 +213,7 @@ def end_generator_capture(device: torch.device) -> None:
     try:
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
-        # thread_local, as every capture here: the loader's thread keeps staging meanwhile
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with capture_into(graph):
             torch.zeros(1, device=device).add_(1)
         del graph
     except Exception as exc:  # noqa: BLE001 - see above
@@ -287,7 +306,7 @@ class GraphPair:
         fwd = torch.cuda.CUDAGraph()
         bwd, static_go, groups = None, [], []
         with _aliased_parameters(module, params) as leaves:
-            with torch.cuda.graph(fwd, pool=pool, capture_error_mode="thread_local"):
+            with capture_into(fwd, pool):
                 out = plain(*args, **kwargs)
             out_tensors, out_spec = flatten(out)
             differentiable = [o.requires_grad for o in out_tensors]
@@ -296,7 +315,7 @@ class GraphPair:
             if grad and diff_outs and surface:
                 static_go = [torch.empty_like(o) for o in diff_outs]
                 bwd = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(bwd, pool=pool, capture_error_mode="thread_local"):
+                with capture_into(bwd, pool):
                     grads = torch.autograd.grad(diff_outs, surface, static_go, allow_unused=True)
                     groups = _flat_groups(grads)
         writes, refused = replayable_writes(_attribute_writes(before), device)

@@ -38,7 +38,7 @@ from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from fastopt.runtime.capture import end_generator_capture
+from fastopt.runtime.capture import capture_into, end_generator_capture
 
 __all__ = ["StepGraphs"]
 
@@ -113,8 +113,7 @@ class StepGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         try:
-            # thread_local: the loader's thread keeps copying the next batches during a capture
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with capture_into(graph, self._pool):  # (the loader's threads keep staging meanwhile)
                 out = self.step(static, constant)
         except Exception as exc:  # a step that cannot be captured runs eagerly from now on
             frame = traceback.extract_tb(exc.__traceback__)[-1]

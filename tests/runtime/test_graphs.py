@@ -3,6 +3,7 @@ signatures, the LRU, fallbacks, and on a GPU the captured forward/backward again
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 from collections import namedtuple
@@ -692,3 +693,30 @@ def test_drop_graphs_clears_every_runner_of_a_module_and_its_submodules(fake_cap
     assert graphs.drop_graphs(fast) == 0
     fast(*_layer_args(4))  # the signature was seen: it captures again at once
     assert len(fake_capture.captured) == 2 and runner.held == 1
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_capture_pauses_the_cyclic_collector_and_restores_it(monkeypatch, enabled):
+    """Inside ``capture_into`` no cyclic collection runs (a finalizer that synchronizes the device
+    would break the capture); afterwards the collector is as it was, whether the capture raised
+    or not."""
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, capture_error_mode="global"):
+        seen.append((gc.isenabled(), pool, capture_error_mode))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        with capture.capture_into("graph", "pool"):
+            assert not gc.isenabled()
+        with pytest.raises(RuntimeError, match="inside"):
+            with capture.capture_into("graph"):
+                raise RuntimeError("inside the capture")
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()
+    assert seen == [(False, "pool", "thread_local"), (False, None, "thread_local")]

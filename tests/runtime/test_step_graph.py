@@ -50,6 +50,47 @@ def test_captured_steps_follow_the_eager_trajectory(kind):
         torch.testing.assert_close(a, b, **tol)
 
 
+def test_garbage_whose_finalizer_synchronizes_is_not_collected_inside_a_capture():
+    """A dropped object's finalizer may synchronize the device (a pinned table unregistering
+    itself once its trainer is collected: ``fastopt bench`` and the tuner build trainer after
+    trainer in one process). Collected inside a capture it would break it; collected after, it
+    is harmless. With the collector's threshold at one allocation, garbage made in the step
+    would be collected at once."""
+    import gc
+    import weakref
+
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=True)
+    finalized = []
+
+    class Dropped:
+        pass
+
+    def step(tensors, constant):
+        garbage = Dropped()
+        garbage.cycle = garbage  # only the cyclic collector frees it
+        weakref.finalize(garbage, lambda: finalized.append(torch.cuda.synchronize()))
+        del garbage
+        opt.zero_grad(set_to_none=True)
+        loss = model(tensors[0]).square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    graphs = StepGraphs(step, warmup=1)
+    x = torch.randn(32, 8, device="cuda")
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        for _ in range(3):
+            graphs([x])
+    finally:
+        gc.set_threshold(*threshold)
+    gc.collect()
+    assert graphs.captures == 1 and graphs.disabled is None, graphs.disabled
+    assert len(finalized) == 2  # the eager step's garbage and the capture's, after it
+
+
 def test_a_step_that_cannot_be_captured_runs_eagerly():
     model = _mlp()
 
