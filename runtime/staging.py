@@ -161,12 +161,18 @@ class TransferStream:
             t.record_stream(current)
 
 
+# bytes each packed tensor starts at a multiple of (a CUDA allocation's alignment is larger)
+PACK_ALIGN = 16
+
+
 def pack_tensors(tensors: Sequence[torch.Tensor], pinned: bool) -> Tuple[torch.Tensor, List[tuple]]:
     """Host tensors of any dtypes in one byte buffer (pinned for an asynchronous upload): one
     copy moves them all, one allocation holds them on the device, one stream record keeps it.
 
-    The tensors of one dtype lie side by side, the widest elements first, so that each run starts
-    at a multiple of its element size and :func:`unpack_tensors` views it in its dtype at once.
+    The tensors of one dtype lie side by side in a run, so that :func:`unpack_tensors` views the
+    run in its dtype at once, each starting at a multiple of :data:`PACK_ALIGN` bytes: a kernel
+    that reads one sees the alignment a fresh allocation has (a generated kernel specializes on
+    16-byte alignment; a step's graph is captured on fresh copies of its inputs).
     Returns the buffer and the layout (per run: its byte range, dtype and tensors)."""
     order = sorted(range(len(tensors)), key=lambda i: (-tensors[i].element_size(), str(tensors[i].dtype)))
     layout: List[tuple] = []
@@ -175,16 +181,17 @@ def pack_tensors(tensors: Sequence[torch.Tensor], pinned: bool) -> Tuple[torch.T
         t = tensors[i]
         if not layout or layout[-1][2] != t.dtype:
             layout.append([start, start, t.dtype, []])
-        layout[-1][3].append((i, t.numel(), tuple(t.shape)))
-        start += t.numel() * t.element_size()
+        size = t.element_size()
+        room = -(-t.numel() * size // PACK_ALIGN) * PACK_ALIGN // size  # elements up to the next tensor
+        layout[-1][3].append((i, t.numel(), tuple(t.shape), room))
+        start += room * size
         layout[-1][1] = start
     packed = torch.empty(start, dtype=torch.uint8, pin_memory=pinned)
     out = packed.numpy()
     for begin, _, dtype, members in layout:
-        for i, n, _ in members:  # NumPy's copy, not torch's: no dispatch or intra-op threads here
-            n *= dtype.itemsize
-            out[begin:begin + n] = np.ascontiguousarray(tensors[i].numpy()).reshape(-1).view(np.uint8)
-            begin += n
+        for i, n, _, room in members:  # NumPy's copy, not torch's: no dispatch or intra-op threads here
+            out[begin:begin + n * dtype.itemsize] = np.ascontiguousarray(tensors[i].numpy()).reshape(-1).view(np.uint8)
+            begin += room * dtype.itemsize
     return packed, layout
 
 
@@ -193,9 +200,9 @@ def unpack_tensors(packed: torch.Tensor, layout: Sequence[tuple]) -> List[torch.
     device): one view and one split per dtype, one view per tensor."""
     out: List[Optional[torch.Tensor]] = [None] * sum(len(run[3]) for run in layout)
     for begin, end, dtype, members in layout:
-        pieces = torch.split(packed[begin:end].view(dtype), [n for _, n, _ in members])
-        for (i, _, shape), piece in zip(members, pieces):
-            out[i] = piece.view(shape)
+        pieces = torch.split(packed[begin:end].view(dtype), [room for _, _, _, room in members])
+        for (i, n, shape, room), piece in zip(members, pieces):
+            out[i] = (piece if n == room else piece[:n]).view(shape)
     return out
 
 

@@ -538,16 +538,20 @@ def test_admitted_misses_are_staged_first_in_order(admit, m, order):
 @pytest.mark.parametrize("order", [[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [3, 0, 5, 1, 4, 2]])
 def test_tensors_of_any_dtypes_travel_packed_in_one_byte_buffer(order):
     """Each tensor comes back with its dtype, shape and bits (a negative zero and -1 included),
-    in the order given, whatever order the dtypes come in; a non-contiguous one is packed whole."""
+    in the order given, whatever order the dtypes come in, starting 16 bytes apart at least; a
+    non-contiguous one is packed whole."""
     tensors = [torch.tensor([3, -1, 2**40]), torch.empty(0, 3, dtype=torch.int64),
                torch.tensor([[-0.0, 1.5], [float("inf"), -2.0]]), torch.tensor([True, False, True]),
                torch.arange(12, dtype=torch.int32).reshape(3, 4)[:, 1:3], torch.arange(10.0, dtype=torch.float64)[::3]]
     tensors = [tensors[i] for i in order]
     packed, layout = pack_tensors(tensors, pinned=False)
-    assert packed.dtype == torch.uint8 and packed.numel() == sum(t.numel() * t.element_size() for t in tensors)
-    got = unpack_tensors(packed.clone(), layout)
+    assert packed.dtype == torch.uint8
+    assert packed.numel() == sum(-(-t.numel() * t.element_size() // 16) * 16 for t in tensors)
+    copy = packed.clone()
+    got = unpack_tensors(copy, layout)
     for t, g in zip(tensors, got, strict=True):
-        assert g.dtype == t.dtype and g.shape == t.shape
+        assert g.dtype == t.dtype and g.shape == t.shape and g.is_contiguous()
+        assert (g.data_ptr() - copy.data_ptr()) % 16 == 0
         assert torch.equal(g.reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8))
 
 
