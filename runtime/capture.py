@@ -190,14 +190,16 @@ def capture_into(graph: "torch.cuda.CUDAGraph", pool=None):
     would run the finalizers of whatever garbage it found there, and a finalizer may synchronize
     the device (a pinned table's unregistration, when a dropped trainer's loader is collected),
     which a capture forbids: the capture would fail and its steps run eagerly. Torch's graph
-    context no longer collects before a capture; garbage is collected after it."""
-    paused = gc.isenabled()
+    context no longer collects before a capture; garbage is collected after it. (An object freed
+    by its last reference still finalizes at once. The collector's switch is the process's: one
+    capture at a time, as the trainer and the graph runners capture.)"""
+    was_enabled = gc.isenabled()
     gc.disable()
     try:
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             yield
     finally:
-        if paused:
+        if was_enabled:
             gc.enable()
 
 

@@ -23,7 +23,7 @@ sets (``sampler.hop_dedup``, :func:`~fastopt.runtime.blocks.merge_repeats`): ``n
 holds each distinct ``(neighbor, edge)`` of layer ``i`` once (padded on CUDA) instead of one row
 per slot; ``nbr_index`` has one entry per merged layer (all but the last) and is None otherwise.
 
-Layering: imports nothing of fastopt.
+Layering: imports nothing of fastopt but :mod:`fastopt.errors`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
+
+from fastopt.errors import CacheError
 
 __all__ = ["GraphInputs", "HighWater", "bucket"]
 
@@ -82,6 +84,10 @@ class GraphInputs:
         per-slot features as rows (the index then counts them in order)."""
         if self.edge_rows is not None:
             return self.edge_rows, self.edge_index[i]
+        if self.edge_index is not None:  # rows indexed, but none there
+            raise CacheError(f"layer {i}'s edge features are not read yet: the batch's zero-copy reads "
+                             f"were left to the training step (cache.read_in_step); call batch.read() "
+                             f"before using batch.inputs outside Trainer's step")
         feat = self.edge_feat[i]
         index = torch.arange(feat.shape[0] * feat.shape[1], device=feat.device).view(feat.shape[:2])
         return feat.reshape(-1, feat.shape[-1]), index

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from fastopt.config import Config
-from fastopt.errors import FastOptError
+from fastopt.errors import CacheError, FastOptError
 from fastopt.data import load_dataset
 from fastopt.data.npydir import write_npy_dir
 from fastopt.models import build_model
@@ -221,6 +221,7 @@ def test_the_cuda_staging_path_builds_the_cpu_paths_inputs(small_graph, monkeypa
     in_step = staged_ahead.read_in_step
     assert in_step == (placement == "in_step" and features)
     kept = {t.untyped_storage().data_ptr() for t in (staged_ahead.edge_table, staged_ahead.node_table) if t is not None}
+    step_specs: dict = {}
     for want_batch, batch in zip(plain.plan("train", 0), staged_ahead.plan("train", 0), strict=True):
         want, spec = flatten((plain.finish(plain.stage(want_batch)).inputs, want_batch.event_feat))
         staged = staged_ahead.stage(batch)
@@ -229,11 +230,18 @@ def test_the_cuda_staging_path_builds_the_cpu_paths_inputs(small_graph, monkeypa
         owned = {t.untyped_storage().data_ptr() for t in staged.owners}
         if in_step:  # nothing read yet; the step reads the ids it was handed
             assert batch.inputs.edge_rows is None and batch.inputs.edge_feat == [] and batch.event_feat is None
+            if edge_rows:
+                with pytest.raises(CacheError, match=r"not read yet.*batch\.read\(\)"):
+                    batch.inputs.layer_edges(0)
             assert batch.reads.ids.untyped_storage().data_ptr() in owned
             tensors, step_spec = flatten((batch.inputs, batch.event_feat, batch.reads))
             inputs, event_feat, reads = unflatten(step_spec, [t.clone() for t in tensors])
             got, got_spec = flatten(reads.apply(inputs, event_feat))
             assert got_spec == spec and all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+            # what keys the step's graph: the same for every batch of a size (the cache's reader included)
+            specs = step_specs.setdefault(batch.size, set())
+            specs.add(step_spec)
+            assert len(specs) == 1 and hash(step_spec) == hash(next(iter(specs)))
             got, got_spec = flatten((batch.read().inputs, batch.event_feat))  # read where it is
             assert batch.reads is None
         else:
