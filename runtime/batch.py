@@ -7,7 +7,6 @@ Layering: imports nothing of fastopt but other runtime modules.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
@@ -15,7 +14,7 @@ import numpy as np
 import torch
 
 from fastopt.runtime.blocks import SampledBatch, Unique
-from fastopt.runtime.inputs import GraphInputs
+from fastopt.runtime.inputs import GraphInputs, per_slot
 
 __all__ = ["EventBatch", "NegativeSampler", "RowReads", "SPLIT_IDS"]
 
@@ -64,9 +63,7 @@ class RowReads(NamedTuple):
         if self.index is None:
             inputs.edge_rows = rows[:n]
         else:
-            flat = rows[:n].index_select(0, self.index)
-            pieces = torch.split(flat, [math.prod(s) for s in self.shapes])
-            inputs.edge_feat = [piece.view(*s, -1) for piece, s in zip(pieces, self.shapes)]
+            inputs.edge_feat = per_slot(rows[:n], self.index, self.shapes)
         return inputs, (rows[n:] if self.events else event_feat)
 
 

@@ -28,6 +28,7 @@ Layering: imports nothing of fastopt but :mod:`fastopt.errors`.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -36,7 +37,7 @@ import torch
 
 from fastopt.errors import CacheError
 
-__all__ = ["GraphInputs", "HighWater", "bucket"]
+__all__ = ["GraphInputs", "HighWater", "bucket", "per_slot"]
 
 
 @dataclass
@@ -91,6 +92,15 @@ class GraphInputs:
         feat = self.edge_feat[i]
         index = torch.arange(feat.shape[0] * feat.shape[1], device=feat.device).view(feat.shape[:2])
         return feat.reshape(-1, feat.shape[-1]), index
+
+
+def per_slot(rows: torch.Tensor, index: Optional[torch.Tensor], shapes) -> List[torch.Tensor]:
+    """Every layer's edge features per slot (``GraphInputs.edge_feat``, ``[M_i, k_i, d]`` for
+    ``shapes[i] == (M_i, k_i)``) from ``rows`` read through ``index`` (every layer's slots, in
+    layer order), or from ``rows`` themselves (one per slot) where ``index`` is None."""
+    flat = rows if index is None else rows.index_select(0, index)
+    sizes = [math.prod(s) for s in shapes]
+    return [piece.view(*s, -1) for piece, s in zip(torch.split(flat, sizes), shapes)]
 
 
 def bucket(n: int, minimum: int = 256) -> int:

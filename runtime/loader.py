@@ -61,7 +61,7 @@ from fastopt.runtime.batch import SPLIT_IDS, EventBatch, NegativeSampler, RowRea
 from fastopt.runtime.blocks import SampledBatch, Unique, node_set, set_inverse
 from fastopt.runtime.epoch import EpochStream
 from fastopt.runtime.flatten import flatten
-from fastopt.runtime.inputs import GraphInputs, HighWater
+from fastopt.runtime.inputs import GraphInputs, HighWater, per_slot
 from fastopt.runtime.staging import pack_tensors, pin_if_room, unpack_tensors
 from fastopt.runtime.streams import copy_stream
 from fastopt.runtime.timing import StageTimer
@@ -132,7 +132,7 @@ class Loader:
             mapped = isinstance(feat, np.memmap) and not self.edge_table.is_pinned()
             self.cache = SlimCache({"edge": CacheTable(self.edge_table, mapped=mapped)}, self.device,
                                    config.cache, read_rows=read_rows)
-        # the device reads the cache's misses from the pinned table itself (SlimCache.serve)
+        # the device reads the cache's misses from the pinned table itself (SlimCache.count/reader)
         self.zero_copy = self.cache is not None and self.cache.zero_copy("edge")
         self.read_in_step = self.zero_copy and bool(read_in_step)
         self.bytes_h2d = 0  # bytes copied host -> device since construction
@@ -424,23 +424,18 @@ class Loader:
 
     def _read_rows(self, staged: _Staged) -> None:
         """Rows the device reads itself (on the stream this is called on): from device tables, or
-        through SlimCache's zero-copy reads (an ad-hoc batch, index -1, counts nothing there)."""
+        through SlimCache's zero-copy reads, counted here (an ad-hoc batch, index -1, counts
+        nothing) and read where :meth:`_build` leaves them (:class:`RowReads`)."""
         t = staged.tensors
         if self.placement == "device":
             self._gather_device(staged)
         elif "edge_unique" in t:
             batch = staged.batch
-            if self.read_in_step and batch.split == "train" and batch.index >= 0:  # read by the step
+            if batch.index >= 0:
                 self.cache.count("edge", batch.sampled.unique_eids)
-                index, shapes = (None, ()) if self.edge_rows else \
-                    (t["edge_inverse"], tuple(tuple(t[f"mask{i}"].shape) for i in range(staged.layers)))
-                batch.reads = RowReads(t["edge_unique"], self.cache.reader("edge"), staged.event_rows, index, shapes)
-                return
-            rows = self.cache.serve("edge", t["edge_unique"], unique=batch.sampled.unique_eids,
-                                    counted=batch.index >= 0)
-            t["edge_rows"] = rows[:rows.shape[0] - staged.event_rows]
-            if staged.event_rows:  # the batch's own events' rows, read in the same launch
-                t["event_rows"] = rows[rows.shape[0] - staged.event_rows:]
+            index, shapes = (None, ()) if self.edge_rows else \
+                (t["edge_inverse"], tuple(tuple(t[f"mask{i}"].shape) for i in range(staged.layers)))
+            batch.reads = RowReads(t["edge_unique"], self.cache.reader("edge"), staged.event_rows, index, shapes)
 
     def _gather_device(self, staged: _Staged) -> None:
         """Per-slot feature rows from device tables (on the stream this is called on)."""
@@ -485,7 +480,7 @@ class Loader:
             edge_feat = []
             edge_rows, edge_index = self._edge_rows(staged, layers)
         elif batch.reads is not None:
-            edge_feat = []  # expanded per slot where the rows are read (RowReads)
+            edge_feat = []  # expanded per slot as the rows are read (RowReads)
         else:
             edge_feat = t.get("edge_feat")
             if edge_feat is None:
@@ -496,6 +491,8 @@ class Loader:
         batch.inputs = GraphInputs(nodes, times, node_feat, edge_feat, dt, mask,
                                    unique_nodes=t["unique_nodes"], node_inverse=t["node_inverse"],
                                    edge_rows=edge_rows, edge_index=edge_index, nbr_index=nbr_index)
+        if not (self.read_in_step and batch.split == "train" and batch.index >= 0):
+            batch.read()  # zero-copy reads, here (on this stream) unless the training step runs them
 
     def _expand_nodes(self, t, nodes: List[torch.Tensor]) -> List[torch.Tensor]:
         if "node_rows" not in t:
@@ -504,10 +501,8 @@ class Loader:
 
     def _expand_edges(self, staged: _Staged, layers: int) -> List[torch.Tensor]:
         """Every layer's edge features per slot, ``[M_i, k_i, d]``."""
-        shapes = [staged.tensors[f"mask{i}"].shape for i in range(layers)]
-        rows, index = self._edge_table_and_index(staged, layers)
-        flat = rows if index is None else rows[index]
-        return [piece.view(*s, -1) for piece, s in zip(torch.split(flat, [s.numel() for s in shapes]), shapes)]
+        return per_slot(*self._edge_table_and_index(staged, layers),
+                        [staged.tensors[f"mask{i}"].shape for i in range(layers)])
 
     def _edge_rows(self, staged: _Staged, layers: int):
         """The batch's edge feature rows and each layer's ``[M_i, k_i]`` index into them
