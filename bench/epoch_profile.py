@@ -11,7 +11,8 @@ called in turn on this thread, under cProfile): where the host time that feeds t
 ``--pipeline N`` runs N epochs as ``fit`` does (training, then validation) with nothing
 profiled, one line each: the epoch, its stages, the steps captured in it, the padded lengths it
 ended with, the seconds the staging threads spent sampling (``Loader.sample``) and staging
-(``Loader.stage``, its own sampling and SlimCache's zero-copy reads (``serve``) left out), the training thread finishing batches
+(``Loader.stage``, its own sampling and SlimCache's counting of zero-copy reads (``SlimCache.count``) left out;
+the reads themselves run in ``stage``, or in the step under ``cache.read_in_step``), the training thread finishing batches
 (``Loader.finish``), each with the seconds its threads spent on a CPU (``time.thread_time``:
 a wall time well above it is waiting, on the GIL, a lock or the driver), and the minor page
 faults of the training pass: whether an epoch waits on its producer, and why.
@@ -173,8 +174,8 @@ def profile_pipeline(trainer: Trainer, epochs: int) -> int:
 
     for name in ("sample", "stage", "finish"):  # the loader's own calls go through these too
         setattr(loader, name, timed(name, getattr(loader, name)))
-    if loader.cache is not None:  # SlimCache's zero-copy reads, inside stage
-        loader.cache.serve = timed("serve", loader.cache.serve)
+    if loader.cache is not None:  # SlimCache's counting of zero-copy reads, inside stage
+        loader.cache.count = timed("count", loader.cache.count)
     graphs = trainer.step_graphs  # None: no whole-step capture on this device
     for epoch in range(epochs):
         spent.clear()
@@ -195,7 +196,7 @@ def profile_pipeline(trainer: Trainer, epochs: int) -> int:
               + " ".join(f"{k}={v:.3f}" for k, v in stats.stages.items())
               + f"; {captured} step(s) captured; staging threads sampling {training.get('sample', 0):.3f} s "
               f"({on_cpu.get('sample', 0):.3f} on a CPU), staging {training.get('stage', 0):.3f} s "
-              f"({on_cpu.get('stage', 0):.3f}), serving {training.get('serve', 0):.3f} s ({on_cpu.get('serve', 0):.3f})"
+              f"({on_cpu.get('stage', 0):.3f}), counting reads {training.get('count', 0):.3f} s ({on_cpu.get('count', 0):.3f})"
               f"; training thread finishing {training.get('finish', 0):.3f} s "
               f"({on_cpu.get('finish', 0):.3f}); {faults} minor faults; validation {time.perf_counter() - t0:.2f} s; "
               f"padded lengths {dict(loader.high_water.lengths)}", flush=True)
