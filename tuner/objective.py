@@ -304,16 +304,20 @@ def device_memory_limit(device: torch.device, limit_bytes: Optional[int]) -> Ite
         # the block's own error is the trial's reason: an alarm that rings while the limit is
         # given back is dropped, not raised in its place
         with _held(raise_alarm=False):
-            torch.cuda.set_per_process_memory_fraction(1.0, index)
-            _LIMITED.discard(index)
+            _give_back(index)
         raise
     with _held():
-        torch.cuda.set_per_process_memory_fraction(1.0, index)
-        _LIMITED.discard(index)
+        _give_back(index)
 
 
 # device indices whose memory fraction device_memory_limit set and has not given back yet
 _LIMITED: set = set()
+
+
+def _give_back(index: int) -> None:
+    """Lift device ``index``'s memory limit (inside :func:`_held`)."""
+    torch.cuda.set_per_process_memory_fraction(1.0, index)
+    _LIMITED.discard(index)
 
 
 def check_against_eager(make_eager: Callable[[Config], Any]) -> Callable[[Any], Optional[float]]:
@@ -521,8 +525,7 @@ def release(collect: bool = True) -> None:
         gc.collect()
     with _held():  # a limit an alarm cut off before device_memory_limit could give it back
         for index in sorted(_LIMITED):
-            torch.cuda.set_per_process_memory_fraction(1.0, index)
-            _LIMITED.discard(index)
+            _give_back(index)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
