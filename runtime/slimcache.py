@@ -302,7 +302,7 @@ class SlimCache:
         with self._lock:
             t = self._zero_copy_table(table)
             values, inverse, pad = t.unique_of(unique)
-            t.served(values[pad:], t.requested(inverse, pad))
+            t.served(values, inverse, pad)
 
     def reader(self, table: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """``read(ids)``: rows of zero-copy ``table`` for device ``ids`` in one launch on the

@@ -38,6 +38,7 @@ import torch
 from fastopt.errors import CacheError
 from fastopt.runtime.blocks import Unique
 from fastopt.runtime.cache_policy import AccessPlan, SlotDirectory, hot_set, make_policy
+from fastopt.runtime.counting import count_uses
 from fastopt.runtime.staging import HostGatherer, StagingBuffers, TransferStream, pack_tensors, unpack_tensors
 
 # Rows a hot-set install loads per staging buffer (a cache of millions of slots is filled in parts).
@@ -244,11 +245,14 @@ class TableCache:
             return values, inverse, int(lo == -1)
         return values, inverse, 0
 
-    def requested(self, inverse: torch.Tensor, pad: int) -> int:
-        """Valid (non-padding) entries of the batch before dedup."""
-        if not pad:
-            return inverse.numel()
-        return int(np.count_nonzero(inverse.numpy()))
+    def uses(self, values: torch.Tensor, inverse: torch.Tensor, pad: int, announced: bool = True,
+             slot_of: Optional[torch.Tensor] = None) -> Tuple[int, int]:
+        """``(requested, hits)`` of :meth:`unique_of`'s result: the batch's valid (non-padding)
+        entries before dedup, and its valid ids with a slot in ``slot_of`` (0 without it);
+        announced, each valid id is one more use for the next static hot set."""
+        seen = self.seen if announced and self.seen is not None else None
+        return count_uses(values.numpy(), inverse.reshape(-1).numpy(), bool(pad),
+                          None if seen is None else seen.numpy(), None if slot_of is None else slot_of.numpy())
 
     # ---------------------------------------------------------------- lookups
 
@@ -267,7 +271,7 @@ class TableCache:
         real = values[pad:]
         plan = self.directory.access(real, announced)
         h, m = plan.hit_pos.numel(), plan.miss_pos.numel()
-        self._count(real, self.requested(inverse, pad), h, announced)
+        self._count(real, self.uses(values, inverse, pad, announced)[0], h)
         c = self.counters
         c.evictions += plan.evict_ids.numel()
         miss_pos = plan.miss_pos.numpy()[admitted_first(plan.admit_sel.numpy(), m)]
@@ -343,11 +347,11 @@ class TableCache:
 
     # ---------------------------------------------------------------- zero-copy reads
 
-    def served(self, values: torch.Tensor, requested: int) -> None:
-        """Count a batch's zero-copy read of ``values`` (its unique valid ids, on the host) in the
+    def served(self, values: torch.Tensor, inverse: torch.Tensor, pad: int) -> None:
+        """Count a batch's zero-copy read (:meth:`unique_of`'s result, on the host) in the
         counters and the next hot set."""
-        # NumPy on a staging thread: torch's intra-op pool would contend with the sampler's
-        self._count(values, requested, int(np.count_nonzero(self.directory.slot_of.numpy()[values.numpy()] >= 0)))
+        requested, hits = self.uses(values, inverse, pad, slot_of=self.directory.slot_of)
+        self._count(values[pad:], requested, hits)
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of ``ids`` (on the device, any valid rows) read on the current stream by one
@@ -356,9 +360,9 @@ class TableCache:
         rows = self._reader(ids)
         return rows.reshape(-1) if self.is_1d else rows
 
-    def _count(self, values: torch.Tensor, requested: int, hits: int, announced: bool = True) -> None:
-        """One lookup of ``values`` (its unique valid ids, on the host) in the counters, the
-        recorded stream and, announced, the uses that pick the next static hot set."""
+    def _count(self, values: torch.Tensor, requested: int, hits: int) -> None:
+        """One lookup of ``values`` (its unique valid ids, on the host) in the counters and the
+        recorded stream (:meth:`uses` counts the uses that pick the next static hot set)."""
         c, n = self.counters, values.numel()
         c.batches += 1
         c.requested += requested
@@ -369,8 +373,6 @@ class TableCache:
         c.misses += n - hits
         c.rows_h2d += n - hits
         c.bytes_h2d += (n - hits) * self.row_bytes
-        if self.seen is not None and announced:
-            self.seen.numpy()[values.numpy()] += 1  # a batch's ids are distinct
         if self.recorded is not None:
             self.recorded.append(values)
 
