@@ -57,8 +57,7 @@ class DataConfig:
 
 @dataclass
 class SamplerConfig:
-    # sampler threads; 0 = one per available core
-    threads: int = 0
+    threads: int = 0  # sampler threads; 0 = one per available core
     # graph reordering inside the sampler: "none", "degree" or "rcm" (reverse Cuthill-McKee)
     reorder: str = "none"
     # pin sampler threads to cores that share a cache, read from /sys/devices/system/cpu (pairing
@@ -68,9 +67,8 @@ class SamplerConfig:
     undirected: bool = True
     # move a batch's unique feature rows only (False: every sampled slot's row, duplicates included)
     dedup: bool = True
-    # models of 2+ layers: a node reached through the same event by several slots of a layer is
-    # expanded once (its neighbors sampled and its embedding computed once, read by every slot);
-    # on the H200 TGAT's epoch took 0.72 s with it, 0.82 s without (6f00e6b)
+    # models of 2+ layers: a node reached through one event by several slots of a layer is expanded once
+    # (sampled and embedded once, read by every slot; TGAT's H200 epoch 0.72 s with it, 0.82 s without)
     hop_dedup: bool = True
 
 
@@ -87,8 +85,10 @@ class CacheConfig:
     # how a GPU gets rows the cache lacks: "zero_copy" (it reads pinned host memory itself; static
     # hot set per split, refreshed each epoch), "staged" (host gathers, then copies) or "auto"
     host_reads: str = "auto"
-    # a training batch's zero-copy reads run inside its captured step, not on the staging threads
+    # a training batch's zero-copy reads run inside its captured step, not on the staging threads,
+    # there on a side stream the step joins where the model takes the rows (models' waits_for_edges)
     read_in_step: bool = True
+    read_overlap: bool = True
     # a mapped edge table that zero-copy reads would serve is read into pinned RAM when it takes at
     # most this fraction of the available host memory (else read in place); 0 = never
     pin_ram_fraction: float = 0.5

@@ -212,6 +212,8 @@ class Trainer:
                              edge_rows=getattr(model, "reads_edge_rows", False),
                              read_rows=_zero_copy_reads(self.device),
                              read_in_step=self._step_graphs is not None and self.config.cache.read_in_step)
+        self._read_stream = torch.cuda.Stream(self.device) if self.loader.read_in_step and self.config.cache.read_overlap \
+            and getattr(model, "waits_for_edges", False) else None  # the step's reads, joined as the model takes them
         self.negatives = self.loader.negatives
         self._say(f"features: {self.loader.describe()}")
         self._shape_plan = self._load_shape_plan(graph) if self.device.type == "cuda" \
@@ -473,15 +475,15 @@ class Trainer:
         return loss, pos, negs, extra
 
     def _whole_step(self, tensors: List[torch.Tensor], b: int, spec: tuple) -> torch.Tensor:
-        """Forward, loss, backward, optimizer step and write-back of one training batch (the step
-        :class:`~fastopt.runtime.step_graph.StepGraphs` captures)."""
+        """One training batch's reads, forward, loss, backward, update and write-back (StepGraphs captures it)."""
         inputs, event_feat, reads = unflatten(spec, tensors)
         if reads is not None:  # SlimCache's zero-copy reads, inside the captured step
-            inputs, event_feat = reads.apply(inputs, event_feat)
+            inputs, event_feat = reads.apply(inputs, event_feat, self._read_stream)
         loss, _, _, _ = self._scores(inputs, b, None)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
+        inputs.edges_ready()  # the events' rows (and any the model left) are read
         roots, ts = inputs.nodes[0], inputs.times[0]
         self.model.commit(roots[:b], roots[b : 2 * b], ts[:b], event_feat)
         return loss.detach()

@@ -7,6 +7,7 @@ Layering: imports nothing of fastopt but other runtime modules.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
@@ -54,9 +55,20 @@ class RowReads(NamedTuple):
     index: Optional[torch.Tensor] = None
     shapes: Tuple[Tuple[int, ...], ...] = ()
 
-    def apply(self, inputs: GraphInputs, event_feat: Optional[torch.Tensor]) -> Tuple[GraphInputs, Optional[torch.Tensor]]:
+    def apply(self, inputs: GraphInputs, event_feat: Optional[torch.Tensor],
+              side: Optional[torch.cuda.Stream] = None) -> Tuple[GraphInputs, Optional[torch.Tensor]]:
         """``inputs`` with the rows read (as ``edge_rows``, or expanded per slot as
-        ``edge_feat``), and the events' features."""
+        ``edge_feat``), and the events' features. ``side``: a CUDA stream to read on, which the
+        current stream waits for only at ``inputs.edges_ready()`` (a model's first use of the rows;
+        the consumer's before it takes the events' features), so that the read overlaps the work
+        queued before that; the wait is captured with the rest where a CUDA graph captures it."""
+        if side is not None:
+            current = torch.cuda.current_stream(side.device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                inputs, event_feat = self.apply(inputs, event_feat)
+            inputs.edges_pending = functools.partial(current.wait_stream, side)
+            return inputs, event_feat
         rows = self.read(self.ids)
         n = rows.shape[0] - self.events
         inputs = copy.copy(inputs)

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
-from typing import Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -65,6 +65,16 @@ class GraphInputs:
     edge_rows: Optional[torch.Tensor] = None
     edge_index: Optional[List[torch.Tensor]] = None
     nbr_index: Optional[List[torch.Tensor]] = None
+    # edge features still being read on another stream: makes the current stream wait (edges_ready)
+    edges_pending: Optional[Callable[[], None]] = field(default=None, repr=False, compare=False)
+
+    def edges_ready(self) -> None:
+        """Make the current stream wait for edge features (and the events' rows) still being read
+        on another stream (:meth:`~fastopt.runtime.batch.RowReads.apply` with ``side``); a model that
+        sets ``waits_for_edges`` calls it before it first takes them. A no-op otherwise."""
+        pending, self.edges_pending = self.edges_pending, None
+        if pending is not None:
+            pending()
 
     def layer_neighbors(self, i: int, h: torch.Tensor) -> torch.Tensor:
         """``[M_i, k_i, d]`` rows of ``h`` (one per row of ``nodes[i + 1]``) for layer ``i``'s slots."""
@@ -83,6 +93,7 @@ class GraphInputs:
         """``(rows, index)`` with ``rows[index]`` layer ``i``'s ``[M_i, k_i, d_edge]`` edge
         features: ``edge_rows`` and ``edge_index[i]`` where the loader sent rows, else the
         per-slot features as rows (the index then counts them in order)."""
+        self.edges_ready()
         if self.edge_rows is not None:
             return self.edge_rows, self.edge_index[i]
         if self.edge_index is not None:  # rows indexed, but none there

@@ -29,6 +29,10 @@ class TGNNModel(nn.Module):
     # Embeddings of a layer's neighbors are read through GraphInputs.nbr_index where the loader
     # merged repeated slots (:meth:`propagate` does; a subclass that reads nodes per slot sets False).
     reads_nbr_index: bool = True
+    # Edge features (and the events' rows) are taken only after inputs.edges_ready(), which
+    # :meth:`propagate` calls: the trainer may still be reading them on another stream before that
+    # (cache.read_overlap). Set where embed reaches them through propagate only (TGN).
+    waits_for_edges: bool = False
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -48,6 +52,7 @@ class TGNNModel(nn.Module):
         through :meth:`GraphInputs.layer_neighbors` (merged repeats read one row many times).
         """
         num_layers = len(self.fanouts)
+        inputs.edges_ready()
         edges = [inputs.layer_edges(i) if self.reads_edge_rows else (inputs.edge_feat[i],)
                  for i in range(num_layers)]
         for j, layer in enumerate(self.layers):

@@ -85,6 +85,7 @@ class TGN(MemoryModel):
     """
 
     strategy = "recent"
+    waits_for_edges = True  # its edge features are reached through propagate alone
 
     def __init__(self, num_nodes: int, node_dim: int, edge_dim: int, memory_dim: int = 100,
                  dim: int = 100, time_dim: int = 100, num_heads: int = 2, fanouts=(10,),

@@ -82,3 +82,47 @@ def test_models_train_and_state_does_not_leak_within_a_batch(name, small_graph):
         torch.testing.assert_close(h1, h2)  # stateless
     else:
         assert not torch.allclose(h1, h2)  # memory moved on after the commit
+
+
+class _Taken(list):
+    """Edge features that log when a model takes one."""
+
+    def __init__(self, items, log):
+        super().__init__(items)
+        self.log = log
+
+    def __getitem__(self, i):
+        self.log.append("taken")
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_model_that_waits_for_edges_takes_them_after_edges_ready(name, small_graph):
+    """``waits_for_edges`` lets the trainer read a batch's edge features on a side stream that
+    the model joins (``inputs.edges_ready()``); such a model must join before it takes one, and
+    its embeddings are unchanged. A model without it is handed ready rows."""
+    from fastopt.config import Config
+    from fastopt.trainer import Trainer
+
+    torch.manual_seed(0)
+    model = build_model(name, small_graph, **SMALL[name]).eval()
+    cfg = Config()
+    cfg.train.device, cfg.train.batch_size = "cpu", 100
+    trainer = Trainer(model, small_graph, cfg, progress=False)
+    roots = np.concatenate([small_graph.src[1000:1100], small_graph.dst[1000:1100]])
+    times = np.concatenate([small_graph.ts[1000:1100]] * 2)
+    embedded = []
+    for pending in (None, lambda: log.append("ready")):
+        log = []  # the second run's: the join and when each feature was taken
+        if trainer.sampler is not None:
+            trainer.sampler.reset(0)
+        inputs = trainer.build_inputs(roots, times)
+        inputs.edge_feat, inputs.edges_pending = _Taken(inputs.edge_feat, log), pending
+        with torch.no_grad():
+            embedded.append(model.embed(inputs))
+    torch.testing.assert_close(embedded[0], embedded[1], rtol=0, atol=0)
+    assert model.waits_for_edges == (name == "tgn")
+    if model.waits_for_edges:
+        assert "taken" in log and log.count("ready") == 1
+    if name in ("tgn", "tgat"):  # propagate joins before it takes any (TGAT: layer_edges too)
+        assert "ready" in log and ("taken" not in log or log.index("ready") < log.index("taken"))

@@ -5,6 +5,7 @@ import random
 from pathlib import Path
 import threading
 import time
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -138,11 +139,12 @@ def test_inputs_read_late_by_the_step_are_those_staged(small_graph, placement, h
     staged. Each batch's inputs are copied after a half-millisecond sleep on the compute stream,
     the batch then dropped; the copies must equal those of a run that waits for the device at
     every batch. Zero-copy reads left to the step (``read_in_step``, read after the sleep) read
-    the rows the staging threads read."""
+    the rows the staging threads read, also on a side stream that sleeps first and is joined only
+    at ``inputs.edges_ready()`` (``cache.read_overlap``)."""
     from fastopt.codegen import cached_rows
     from fastopt.runtime.flatten import flatten
 
-    def run(late: bool, in_step: bool = False):
+    def run(late: bool, in_step: bool = False, side: Optional[torch.cuda.Stream] = None):
         cfg = config(cache__placement=placement, cache__host_reads=host_reads, cache__budget_fraction=0.2,
                      train__device="cuda")
         loader = Loader(small_graph, NumpySampler(small_graph, [3, 2], "uniform", seed=5), torch.device("cuda"),
@@ -158,6 +160,14 @@ def test_inputs_read_late_by_the_step_are_those_staged(small_graph, placement, h
                 else:
                     torch.cuda.synchronize()
                 assert (b.reads is not None) == loader.read_in_step
+                if side is not None:  # the read comes late on its own stream; the join waits for it
+                    with torch.cuda.stream(side):
+                        torch.cuda._sleep(2_000_000)
+                    b.inputs, b.event_feat = b.reads.apply(b.inputs, b.event_feat, side)
+                    b.reads = None
+                    assert b.inputs.edges_pending is not None
+                    b.inputs.edges_ready()
+                    assert b.inputs.edges_pending is None
                 copies.append([t.clone() for t in flatten((b.read().inputs, b.event_feat))[0]])
                 if host_reads == "zero_copy" and edge_rows:  # the events' rows came with the edge rows
                     assert b.event_feat.untyped_storage().data_ptr() == b.inputs.edge_rows.untyped_storage().data_ptr()
@@ -167,7 +177,8 @@ def test_inputs_read_late_by_the_step_are_those_staged(small_graph, placement, h
         return copies
 
     settled = run(False)
-    for late in (run(True),) + ((run(True, in_step=True),) if host_reads == "zero_copy" else ()):
+    in_step = (lambda: run(True, in_step=True), lambda: run(True, in_step=True, side=torch.cuda.Stream()))
+    for late in [run(True)] + ([r() for r in in_step] if host_reads == "zero_copy" else []):
         assert len(late) == len(settled)
         for a, b in zip(late, settled):
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

@@ -177,7 +177,8 @@ def test_zero_copy_reads_inside_the_captured_step_train_as_reads_at_staging(smal
     """Host features read zero-copy by the captured step itself (``cache.read_in_step``) train
     as rows read by the staging threads: the same cache counters, losses and weights up to
     rounding; the steps replay (the reader's tensors keep their addresses). TGN reads per-slot
-    features (the rows expanded in the step), TGAT unique edge rows."""
+    features (the rows expanded in the step, on a side stream joined where the model takes them:
+    ``cache.read_overlap``), TGAT unique edge rows."""
     runs = []
     for in_step in (False, True):
         cfg = Config()
@@ -189,6 +190,7 @@ def test_zero_copy_reads_inside_the_captured_step_train_as_reads_at_staging(smal
         kwargs = {"tgn": dict(memory_dim=16, dim=16, time_dim=8), "tgat": dict(dim=16, time_dim=8, fanouts=(4, 3))}[name]
         t = Trainer(build_model(name, small_graph, dropout=0.0, **kwargs), small_graph, cfg, progress=False)
         assert t.loader.zero_copy and t.loader.read_in_step == in_step
+        assert (t._read_stream is not None) == (in_step and name == "tgn")  # TGN waits_for_edges
         t.fit(2)
         graphs = t._step_graphs
         assert graphs.captures >= 1 and graphs.replays > 0 and graphs.disabled is None, graphs.disabled_trace
