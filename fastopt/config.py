@@ -86,9 +86,9 @@ class CacheConfig:
     # hot set per split, refreshed each epoch), "staged" (host gathers, then copies) or "auto"
     host_reads: str = "auto"
     # a training batch's zero-copy reads run inside its captured step, not on the staging threads,
-    # there on a side stream the step joins where the model takes the rows (models' waits_for_edges)
+    # read_overlap: on a side stream the step joins where the model takes the rows (waits_for_edges)
     read_in_step: bool = True
-    read_overlap: bool = True
+    read_overlap: bool = False
     # a mapped edge table that zero-copy reads would serve is read into pinned RAM when it takes at
     # most this fraction of the available host memory (else read in place); 0 = never
     pin_ram_fraction: float = 0.5
