@@ -194,11 +194,12 @@ def served_rows_wrong(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor
 
 
 def replay_zero_copy(epoch: EpochStream, tables: Dict[str, torch.Tensor], fraction: float,
-                     device: str) -> dict:
+                     device: str, phases: int = 1) -> dict:
     """The static features read zero-copy (``cache.host_reads``): a warm-up epoch counts the
     rows used, the timed one runs on the hot set installed from them before timing (as each epoch
     after a split's first does in training); the served rows are checked against the table after
-    timing."""
+    timing. ``phases`` > 1: a hot set per run of the epoch (``cache.hot_set_phases``), planned
+    from a second warm-up epoch counted per run."""
     from fastopt.codegen import cached_rows
 
     edge = tables["edge_feat"]
@@ -210,19 +211,22 @@ def replay_zero_copy(epoch: EpochStream, tables: Dict[str, torch.Tensor], fracti
     if device.startswith("cuda"):
         ids = [i.pin_memory() for i in ids]
 
-    def begin() -> None:  # a new epoch: the hot set of the one before is installed
-        cache.plan([{"edge_feat": b["edge_feat"].values} for b in epoch.batches[:4]], split="train")
+    cache.plan([{"edge_feat": b["edge_feat"].values} for b in epoch.batches[:4]], split="train")
+
+    def begin() -> None:  # a new epoch: the hot sets of the one before are installed
+        cache.begin_epoch("train", phases, len(epoch.batches))
 
     def one_epoch(keep: bool) -> list:
         served = []
-        for batch, i in zip(epoch.batches, ids):
-            rows = cache.serve("edge_feat", i.to(device, non_blocking=True), unique=batch["edge_feat"])
+        for index, (batch, i) in enumerate(zip(epoch.batches, ids)):
+            rows = cache.serve("edge_feat", i.to(device, non_blocking=True), unique=batch["edge_feat"], index=index)
             if keep:
                 served.append(rows)
         return served
 
-    begin()
-    one_epoch(False)
+    for _ in range(2 if phases > 1 else 1):
+        begin()
+        one_epoch(False)
     begin()
     before = cache.counters("edge_feat").to_dict()
     _sync(device)
@@ -237,7 +241,8 @@ def replay_zero_copy(epoch: EpochStream, tables: Dict[str, torch.Tensor], fracti
     wrong = sum(served_rows_wrong(edge, b["edge_feat"].values, rows)
                 for b, rows in zip(epoch.batches, one_epoch(True)))
     return {"seconds": seconds, "rows_wrong": wrong,
-            "tables": {"edge_feat": dict(counters, capacity=cache.capacity("edge_feat"), policy="zero_copy")}}
+            "tables": {"edge_feat": dict(counters, capacity=cache.capacity("edge_feat"),
+                                           policy="zero_copy" + (f"/{phases}" if phases > 1 else ""))}}
 
 
 def device_gather_seconds(epoch: EpochStream, table: torch.Tensor, device: str) -> float:
@@ -255,9 +260,10 @@ def device_gather_seconds(epoch: EpochStream, table: torch.Tensor, device: str) 
 def replay(epoch: EpochStream, tables: Dict[str, torch.Tensor], policy: str, fraction: float,
            device: str, threads: int) -> dict:
     """One epoch through SlimCache; returns its counters, memory check and wall time, and how
-    many served edge rows were not the table's (checked after timing: the rows are kept)."""
-    if policy == "zero_copy":
-        return replay_zero_copy(epoch, tables, fraction, device)
+    many served edge rows were not the table's (checked after timing: the rows are kept).
+    ``zero_copy/P``: zero-copy reads through a hot set per run of P runs."""
+    if policy.startswith("zero_copy"):
+        return replay_zero_copy(epoch, tables, fraction, device, int(policy.partition("/")[2] or 1))
     specs = {name: CacheTable(tables[name], writable=(name == "memory")) for name in epoch.tables}
     budget = {name: int(fraction * t.numel() * t.element_size()) for name, t in
               ((n, tables[n]) for n in epoch.tables)}
@@ -391,7 +397,8 @@ def run(args) -> dict:
             streams = {t: [b[t].values[b[t].values >= 0] for b in epoch.batches] for t in epoch.tables}
             for fraction in args.budgets:
                 optimum = {}
-                for policy in args.policies:
+                for policy in [f"{p}/{n}" if p == "zero_copy" and n > 1 else p
+                               for p in args.policies for n in (args.hot_set_phases if p == "zero_copy" else [1])]:
                     res = replay(epoch, tables, policy, fraction, args.device, args.threads)
                     for table, c in res["tables"].items():
                         if table not in optimum:
@@ -492,6 +499,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-events", type=int, default=0,
                         help="use only the first N training events (0 = the whole train split)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda to also time transfers")
+    parser.add_argument("--hot-set-phases", nargs="+", type=int, default=[1],
+                        help="zero_copy's hot sets an epoch (cache.hot_set_phases), each a row (zero_copy/N)")
     parser.add_argument("--threads", type=int, default=2, help="gather threads")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch intra-op threads (0 = torch's default); on a small shared CPU "

@@ -78,10 +78,8 @@ class CacheConfig:
     # host tables, read through the budgeted cache) or "auto" (device when they fit, else host)
     placement: str = "auto"
     device_budget_fraction: float = 0.5  # "auto" placement: the free device memory tables may take
-    # GPU cache budget as a fraction of the cached tables' bytes (0 = dedup only, 1 = all)
-    budget_fraction: float = 0.1
-    # eviction policy: "static", "lru", "future" (Belady with the sampler's lookahead) or "auto"
-    policy: str = "auto"
+    budget_fraction: float = 0.1  # GPU cache budget, a fraction of the cached tables' bytes (0: dedup only)
+    policy: str = "auto"  # eviction: "static", "lru", "future" (Belady with the sampler's lookahead), "auto"
     # how a GPU gets rows the cache lacks: "zero_copy" (it reads pinned host memory itself; static
     # hot set per split, refreshed each epoch), "staged" (host gathers, then copies) or "auto"
     host_reads: str = "auto"
@@ -89,13 +87,14 @@ class CacheConfig:
     # read_overlap: on a side stream the step joins where the model takes the rows (waits_for_edges)
     read_in_step: bool = True
     read_overlap: bool = False
+    # zero-copy reads in the training step: the epoch's batches in this many runs (1-8), each read
+    # through the hot set the same run of the split's last epoch used most (1: one hot set an epoch)
+    hot_set_phases: int = 1
     # a mapped edge table that zero-copy reads would serve is read into pinned RAM when it takes at
     # most this fraction of the available host memory (else read in place); 0 = never
     pin_ram_fraction: float = 0.5
-    # dtype of static features on the wire and in the cache: "float32", "bfloat16" or "float16"
-    transfer_dtype: str = "float32"
-    # threads gathering cache misses into pinned staging buffers
-    gather_threads: int = 2
+    transfer_dtype: str = "float32"  # static features on the wire and in the cache: float32, bfloat16, float16
+    gather_threads: int = 2  # threads gathering cache misses into pinned staging buffers
     # leading fraction of the planned epoch counted to pick the static hot set and auto's policy
     sample_fraction: float = 0.5
     # budget split between tables: "greedy" (sampled hits per byte) or "proportional" (to table bytes)
@@ -398,6 +397,7 @@ class Config:
         _check(self.cache.transfer_dtype in ("float32", "bfloat16", "float16"), "cache.transfer_dtype",
                self.cache.transfer_dtype, "one of 'float32', 'bfloat16', 'float16'")
         _check(self.cache.gather_threads >= 1, "cache.gather_threads", self.cache.gather_threads, ">= 1")
+        _check(1 <= self.cache.hot_set_phases <= 8, "cache.hot_set_phases", self.cache.hot_set_phases, "in [1, 8]")
         _check(0.0 < self.cache.sample_fraction <= 1.0, "cache.sample_fraction",
                self.cache.sample_fraction, "in (0, 1]")
         _check(self.cache.split in ("greedy", "proportional"), "cache.split", self.cache.split,

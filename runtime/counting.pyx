@@ -7,7 +7,7 @@ the GIL taken between them, on a thread that races the training thread for the G
 cores busy with sampling; here it is one loop over the unique ids and one over the inverse.
 """
 
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t
 
 import numpy as np
 
@@ -17,23 +17,27 @@ ctypedef fused index_t:
 
 
 def count_uses(const int64_t[::1] values, const index_t[::1] inverse, bint pad, int32_t[::1] seen=None,
-               const int32_t[::1] slot_of=None):
+               const int32_t[::1] slot_of=None, const uint8_t[::1] hot=None, int bit=0):
     """``(requested, hits)`` of one batch's lookup, adding one use per id to ``seen``.
 
     ``values``: the batch's sorted unique ids, ``-1`` first where ``pad`` (padding); ``inverse``:
     each requested entry's position in ``values``. ``requested`` counts the entries that are not
-    padding; ``hits`` the valid ids with a slot in ``slot_of`` (``-1`` = absent; 0 without a map).
-    ``seen`` (may be None) gains 1 at each valid id (ids are distinct, so no use is lost); every
-    valid id must be a row of ``seen`` and ``slot_of`` (the caller checks the range).
+    padding; ``hits`` the valid ids with a slot in ``slot_of`` (``-1`` = absent), or else with
+    ``bit`` set in ``hot`` (one bit per planned hot set; 0 without either). ``seen`` (may be
+    None) gains 1 at each valid id (ids are distinct, so no use is lost); every valid id must be a
+    row of ``seen``, ``slot_of`` and ``hot`` (the caller checks the range).
     """
     cdef Py_ssize_t n = values.shape[0], m = inverse.shape[0], i
     cdef Py_ssize_t start = 1 if pad else 0
     cdef int64_t requested = m, hits = 0
-    cdef bint has_seen = seen is not None, has_map = slot_of is not None
+    cdef bint has_seen = seen is not None, has_map = slot_of is not None, has_hot = hot is not None
+    cdef uint8_t mask = <uint8_t>(1 << bit) if 0 <= bit < 8 else 0
     if has_seen and n > start and values[n - 1] >= seen.shape[0]:
         raise IndexError(f"id {values[n - 1]} is outside seen's {seen.shape[0]} rows")
     if has_map and n > start and values[n - 1] >= slot_of.shape[0]:
         raise IndexError(f"id {values[n - 1]} is outside slot_of's {slot_of.shape[0]} rows")
+    if has_hot and n > start and values[n - 1] >= hot.shape[0]:
+        raise IndexError(f"id {values[n - 1]} is outside hot's {hot.shape[0]} rows")
     with nogil:
         if pad:
             for i in range(m):
@@ -42,6 +46,9 @@ def count_uses(const int64_t[::1] values, const index_t[::1] inverse, bint pad, 
         for i in range(start, n):
             if has_seen:
                 seen[values[i]] += 1
-            if has_map and slot_of[values[i]] >= 0:
+            if has_map:
+                if slot_of[values[i]] >= 0:
+                    hits += 1
+            elif has_hot and hot[values[i]] & mask:
                 hits += 1
     return int(requested), int(hits)

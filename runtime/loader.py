@@ -220,8 +220,11 @@ class Loader:
         return EpochStream(self, self.plan(split, epoch, mrr_negatives), timer or StageTimer(self.device), split)
 
     def begin_epoch(self, split: str) -> None:
-        """Install ``split``'s hot set for zero-copy reads, before the copy stream's next reads."""
-        self.cache.begin_epoch(split)
+        """Install ``split``'s hot set for zero-copy reads, before the copy stream's next reads;
+        training batches the step reads go through ``cache.hot_set_phases`` hot sets in turn
+        (:meth:`finish` installs each in the step's stream order)."""
+        phases = self.config.cache.hot_set_phases if self.read_in_step and split == "train" else 1
+        self.cache.begin_epoch(split, phases, self.num_batches(split))
         if self.cuda:
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -432,7 +435,7 @@ class Loader:
         elif "edge_unique" in t:
             batch = staged.batch
             if batch.index >= 0:
-                self.cache.count("edge", batch.sampled.unique_eids)
+                self.cache.count("edge", batch.sampled.unique_eids, batch.index)
             index, shapes = (None, ()) if self.edge_rows else \
                 (t["edge_inverse"], tuple(tuple(t[f"mask{i}"].shape) for i in range(staged.layers)))
             batch.reads = RowReads(t["edge_unique"], self.cache.reader("edge"), staged.event_rows, index, shapes)
@@ -459,6 +462,8 @@ class Loader:
                 tensor.record_stream(current)
         if not self.cuda:
             self._read_rows(staged)
+        if staged.batch.reads is not None and staged.batch.index >= 0:  # read by the step, after this
+            self.cache.enter("edge", staged.batch.index)
         if not staged.built:
             self._build(staged)
         return staged.batch

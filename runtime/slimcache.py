@@ -221,9 +221,11 @@ class SlimCache:
             for batch in batches:
                 self._announce_unique(batch)
 
-    def begin_epoch(self, split: str = "") -> None:
+    def begin_epoch(self, split: str = "", phases: int = 1, batches: int = 0) -> None:
         """Restart the ``future`` policy's batch numbering; announce the new epoch's batches next.
-        A zero-copy table installs the hot set ``split``'s last epoch used."""
+        A zero-copy table installs the hot set ``split``'s last epoch used; ``phases`` > 1: one
+        for each of that many runs of the epoch's ``batches`` (:meth:`enter` installs the next
+        ones; ``cache.hot_set_phases``)."""
         with self._lock:
             self._seal(None)
             for table in self._tables.values():  # refused before anything changes
@@ -233,7 +235,7 @@ class SlimCache:
                                      f"starting an epoch")
             for table in self._tables.values():
                 if table.policy_name == "static":
-                    table.begin_split(split, self._transfer)
+                    table.begin_split(split, self._transfer, phases if table.read_rows is not None else 1, batches)
                 if table.index is not None:
                     table.index.reset()
                     table.directory.forget_future()
@@ -286,23 +288,33 @@ class SlimCache:
                                  f"the step that writes it; use lookup()")
             return self._stage(table, ids, unique, announced)
 
-    def serve(self, table: str, ids: torch.Tensor, *, unique: Unique, counted: bool = True) -> torch.Tensor:
+    def serve(self, table: str, ids: torch.Tensor, *, unique: Unique, counted: bool = True,
+              index: int = 0) -> torch.Tensor:
         """Rows of a zero-copy table for ``ids`` (device ids, padding given as a valid row) on
         the current stream, in one launch; ``unique``: the batch's unique ids on the host (with
         -1 for padding), which the counters and the next hot set count (``counted=False``: a
-        lookup outside the epoch, which counts nothing)."""
+        lookup outside the epoch, which counts nothing); ``index``: the batch's place in the
+        epoch (:meth:`enter`, :meth:`count`)."""
         if counted:
-            self.count(table, unique)
+            self.enter(table, index)
+            self.count(table, unique, index)
         return self.reader(table)(ids)
 
-    def count(self, table: str, unique: Unique) -> None:
-        """Count a zero-copy read of ``unique`` (a batch's unique ids on the host, -1 for padding)
-        that :meth:`reader`'s function runs, on whichever stream and thread: the counters and the
-        next hot set, as :meth:`serve` counts."""
+    def count(self, table: str, unique: Unique, index: int = 0) -> None:
+        """Count a zero-copy read of ``unique`` (the unique ids of the epoch's batch ``index``
+        on the host, -1 for padding) that :meth:`reader`'s function runs, on whichever stream and
+        thread: the counters and the next hot set, as :meth:`serve` counts."""
         with self._lock:
             t = self._zero_copy_table(table)
             values, inverse, pad = t.unique_of(unique)
-            t.served(values, inverse, pad)
+            t.served(values, inverse, pad, index)
+
+    def enter(self, table: str, index: int) -> None:
+        """Before a zero-copy read of the epoch's batch ``index``, in batch order, on the stream
+        that reads it: where the epoch runs several hot sets (``begin_epoch``'s ``phases``), make
+        its run's resident."""
+        with self._lock:
+            self._zero_copy_table(table).enter(index, self._transfer)
 
     def reader(self, table: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """``read(ids)``: rows of zero-copy ``table`` for device ``ids`` in one launch on the

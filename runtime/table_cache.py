@@ -201,9 +201,14 @@ class TableCache:
         # zero-copy reads (read_rows: codegen.cached_rows): the device reads misses from the host
         # table itself; a static hot set per split, refreshed from the rows its last epoch used
         self.read_rows = read_rows
-        self.seen: Optional[torch.Tensor] = None  # uses per row in the current epoch
+        self.seen: Optional[torch.Tensor] = None  # uses per run and row in the current epoch
         self.split = ""
-        self.used: Dict[str, torch.Tensor] = {}  # split -> uses per row in its last epoch
+        self.used: Dict[str, torch.Tensor] = {}  # split -> uses per run and row in its last epoch
+        # hot sets per run of the epoch's batches (begin_split's phases): the runs' hot sets, one
+        # bit per run and row (what the counts take as hits), the run installed
+        self.phases, self.batches, self.phase = 1, 0, 0
+        self.plans: List[torch.Tensor] = []
+        self.hot_bits: Optional[np.ndarray] = None
 
     @property
     def table_bytes(self) -> int:
@@ -246,13 +251,19 @@ class TableCache:
         return values, inverse, 0
 
     def uses(self, values: torch.Tensor, inverse: torch.Tensor, pad: int, announced: bool = True,
-             slot_of: Optional[torch.Tensor] = None) -> Tuple[int, int]:
-        """``(requested, hits)`` of :meth:`unique_of`'s result: the batch's valid (non-padding)
-        entries before dedup, and its valid ids with a slot in ``slot_of`` (0 without it);
-        announced, each valid id is one more use for the next static hot set."""
-        seen = self.seen if announced and self.seen is not None else None
-        return count_uses(values.numpy(), inverse.reshape(-1).numpy(), bool(pad),
-                          None if seen is None else seen.numpy(), None if slot_of is None else slot_of.numpy())
+             slot_of: Optional[torch.Tensor] = None, index: int = 0) -> Tuple[int, int]:
+        """``(requested, hits)`` of :meth:`unique_of`'s result for the epoch's batch ``index``:
+        the batch's valid (non-padding) entries before dedup, and its valid ids with a slot in
+        ``slot_of`` (0 without it), where the epoch has runs, in its run's hot set (the slots
+        then hold it: :meth:`enter`); announced, each valid id is one more use for the next
+        epoch's hot set of its run."""
+        phase = self.phase_of(index)
+        seen = self.seen[phase].numpy() if announced and self.seen is not None else None
+        hot = None
+        if slot_of is not None and self.hot_bits is not None:
+            slot_of, hot = None, self.hot_bits
+        return count_uses(values.numpy(), inverse.reshape(-1).numpy(), bool(pad), seen,
+                          None if slot_of is None else slot_of.numpy(), hot, phase)
 
     # ---------------------------------------------------------------- lookups
 
@@ -347,10 +358,10 @@ class TableCache:
 
     # ---------------------------------------------------------------- zero-copy reads
 
-    def served(self, values: torch.Tensor, inverse: torch.Tensor, pad: int) -> None:
-        """Count a batch's zero-copy read (:meth:`unique_of`'s result, on the host) in the
-        counters and the next hot set."""
-        requested, hits = self.uses(values, inverse, pad, slot_of=self.directory.slot_of)
+    def served(self, values: torch.Tensor, inverse: torch.Tensor, pad: int, index: int = 0) -> None:
+        """Count the zero-copy read of the epoch's batch ``index`` (:meth:`unique_of`'s result,
+        on the host) in the counters and the next hot set."""
+        requested, hits = self.uses(values, inverse, pad, slot_of=self.directory.slot_of, index=index)
         self._count(values[pad:], requested, hits)
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
@@ -376,35 +387,64 @@ class TableCache:
         if self.recorded is not None:
             self.recorded.append(values)
 
-    def begin_split(self, split: str, transfer: TransferStream) -> None:
+    def begin_split(self, split: str, transfer: TransferStream, phases: int = 1, batches: int = 0) -> None:
         """Start an epoch of ``split`` (a static hot set): keep the uses counted in the epoch
         before, and make the hot set the rows ``split``'s last epoch used most (kept where it has
-        none yet)."""
+        none yet). ``phases`` > 1: the epoch's ``batches`` in that many runs of equal length, each
+        with the hot set of the same run of the last epoch (:meth:`enter` installs them in turn),
+        filled up to the capacity with the epoch's most used rows so that the slots hold exactly
+        it; one hot set where the last epoch used fewer rows than the capacity."""
         if self.seen is not None and int(self.seen.count_nonzero()):
             self.used[self.split] = self.seen
-        self.split, self.seen = split, torch.zeros(self.num_rows, dtype=torch.int32)
-        if split in self.used:
-            self.install(self.used[split], transfer)
+        self.phases = phases if 1 < phases <= batches else 1
+        used = self.used.get(split)
+        self.plans = [] if used is None else _phase_plans(used, self.phases, self.directory.capacity)
+        self.split, self.batches, self.phase = split, batches, 0
+        self.seen = torch.zeros(self.phases, self.num_rows, dtype=torch.int32)
+        self.hot_bits = None
+        if len(self.plans) > 1:
+            self.hot_bits = np.zeros(self.num_rows, dtype=np.uint8)
+            for p, hot in enumerate(self.plans):
+                self.hot_bits[hot.numpy()] |= np.uint8(1 << p)
+        if self.plans:
+            self.make_resident(self.plans[0], transfer)
+
+    def phase_of(self, index: int) -> int:
+        """The run of the epoch that its batch ``index`` is in (:meth:`begin_split`)."""
+        return min(self.phases - 1, max(0, index) * self.phases // self.batches) if self.phases > 1 else 0
+
+    def enter(self, index: int, transfer: TransferStream) -> None:
+        """Before the epoch's batch ``index`` is read (in batch order, on the stream that reads
+        it): install its run's hot set where the batch before was in another run."""
+        phase = self.phase_of(index)
+        if phase != self.phase and len(self.plans) > 1:
+            self.make_resident(self.plans[phase], transfer)
+        self.phase = phase
 
     def install(self, uses: torch.Tensor, transfer: TransferStream) -> None:
-        """Give the ``capacity`` most used rows slots (a static hot set): the free ones, then
-        those of residents outside the new hot set; their rows are loaded on the transfer
-        stream, ordered after the current stream's work and before its later work."""
+        """Give the ``capacity`` most used rows slots (a static hot set: :meth:`make_resident`)."""
+        self.make_resident(hot_set(uses, self.directory.capacity), transfer)
+
+    def make_resident(self, hot: torch.Tensor, transfer: TransferStream) -> None:
+        """Give the rows ``hot`` (at most ``capacity``) slots: the free ones, then those of
+        residents outside ``hot``; their rows are loaded on the transfer stream, ordered after
+        the current stream's work and before its later work."""
         if self.writable:
             self.flush()  # a dirty row goes home before its slot is given to another
-        incoming, slots, evicted = self.directory.install(hot_set(uses, self.directory.capacity))
+        incoming, slots, evicted = self.directory.install(hot)
         if incoming.numel() == 0:
             return
         stream = transfer.stream
         current = torch.cuda.current_stream(self.device) if stream is not None else None
-        if stream is not None:  # after the reads queued on the current stream, before those after
-            stream.wait_stream(current)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            dev_out = evicted.to(self.device)
+            # the ids go up first: a pageable copy waits for its stream, which then waits for the
+            # reads queued on the current stream (the host would wait for them too)
+            dev_out, dev_in, dev_at = (t.to(self.device) for t in (evicted, incoming, slots))
+            if stream is not None:  # after the reads queued on the current stream, before those after
+                stream.wait_stream(current)
             self.slot_map.index_fill_(0, dev_out, -1)
             for lo in range(0, incoming.numel(), _INSTALL_ROWS):
-                ids, at = incoming[lo:lo + _INSTALL_ROWS], slots[lo:lo + _INSTALL_ROWS]
-                dev_ids, dev_slots = ids.to(self.device), at.to(self.device)
+                ids, dev_ids, dev_slots = (t[lo:lo + _INSTALL_ROWS] for t in (incoming, dev_in, dev_at))
                 self.slots.index_copy_(0, dev_slots, self._host_rows(ids, dev_ids, transfer))
                 self.slot_map.index_copy_(0, dev_ids, dev_slots.to(torch.int32))
         if stream is not None:
@@ -515,6 +555,25 @@ def check_table(name: str, spec: CacheTable) -> None:
     if spec.mapped and not data.is_contiguous():
         raise CacheError(f"table {name!r} is declared mapped=True but is not contiguous (strides "
                          f"{tuple(data.stride())}); pass the mapping itself, not a strided view")
+
+
+def _phase_plans(used: torch.Tensor, phases: int, capacity: int) -> List[torch.Tensor]:
+    """The hot sets of an epoch in ``phases`` runs from the last epoch's uses ``[P', rows]``: run
+    ``p`` takes the uses of the last epoch's runs that fall in it (or the one it falls in), its
+    most used rows first, then the whole epoch's, up to ``capacity``. One hot set of the whole
+    epoch where runs are not asked for or the last epoch used fewer rows than ``capacity``."""
+    total = hot_set(used.sum(0, dtype=torch.int64) if used.dim() > 1 else used, capacity)
+    if phases == 1 or capacity <= 0 or total.numel() < capacity or used.dim() == 1:
+        return [total]
+    last = used.shape[0]
+    plans = []
+    for p in range(phases):
+        rows = [r for r in range(last) if r * phases // last == p] or [p * last // phases]
+        hot = hot_set(used[rows].sum(0, dtype=torch.int64), capacity)
+        mine = np.zeros(used.shape[1], dtype=bool)
+        mine[hot.numpy()] = True
+        plans.append(torch.cat([hot, total[~torch.from_numpy(mine[total.numpy()])]])[:capacity])
+    return plans
 
 
 def admitted_first(admit_sel: np.ndarray, m: int) -> np.ndarray:

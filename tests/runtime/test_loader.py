@@ -284,6 +284,43 @@ def test_reads_left_to_the_step_count_as_read_rows(small_graph, monkeypatch, edg
     assert all(torch.equal(ta.used[k], tb.used[k]) for k in ta.used)
 
 
+def test_training_reads_left_to_the_step_go_through_a_hot_set_per_run(small_graph, monkeypatch):
+    """``cache.hot_set_phases`` with the reads left to the step: ``Loader.begin_epoch`` plans the
+    runs for training batches only, ``finish`` installs each run's hot set before its batches
+    are read; the rows read are the table's, the hits counted at staging are the rows the slots
+    hold when the step reads, and later epochs hit more than through one hot set."""
+    import types
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    rates = {}
+    for phases in (1, 4):
+        loader = _staged_as_on_cuda(monkeypatch, small_graph, "in_step", edge_rows=True)
+        loader.config.cache.hot_set_phases = phases
+        loader._copy_stream = types.SimpleNamespace(wait_stream=lambda stream: None)
+        table = loader.cache._table("edge")
+        for epoch in range(3):
+            for split in ("train", "val"):
+                loader.begin_epoch(split)
+                assert table.phases == (phases if split == "train" else 1)
+                before, hits, lookups = loader.cache.counters("edge").hits, 0, 0
+                for batch in loader.plan(split, epoch):
+                    staged = loader.stage(batch)
+                    staged.event = None  # (no stream to wait on)
+                    batch = loader.finish(staged)
+                    ids = batch.sampled.unique_eids.values  # sorted; -1 (padding, read as row 0) first
+                    valid = ids[ids >= 0]
+                    if split == "train":  # read by the step, after finish
+                        assert batch.reads is not None
+                        hits += int((loader.cache.slot_map("edge")[valid] >= 0).sum())
+                        lookups += valid.numel()
+                    rows = batch.read().inputs.edge_rows
+                    assert torch.equal(rows[:ids.numel()], loader.edge_table[ids.clamp(min=0)])
+                if split == "train":
+                    assert loader.cache.counters("edge").hits - before == hits
+                    rates[phases] = hits / lookups  # the last epoch's
+    assert rates[4] > rates[1], rates
+
+
 @pytest.fixture
 def mapped_graph(tmp_path, small_graph):
     """:func:`small_graph` written as a graph folder and read back memory-mapped."""

@@ -646,6 +646,56 @@ def test_a_static_hot_set_serves_the_table_and_is_refreshed_per_split(budget, re
         assert c.hits == 0 and c.preloaded == 0
 
 
+@pytest.mark.parametrize("budget", ["tiny", "partial"])
+def test_zero_copy_reads_through_a_hot_set_per_run_of_the_epoch(budget):
+    """``begin_epoch(phases=P)``: the epoch's batches in P runs, each read through the hot set the
+    same run of the last epoch used most (``cache.hot_set_phases``). Served rows equal the
+    table's bit for bit; the hits counted on the host (ahead of the reads, from the planned hot
+    sets) are exactly the rows the slots hold when each batch is read; on a stream whose rows
+    move through the table, four runs hit more than one."""
+    edge, _ = make_tables()
+    stream = [b["edge"] for b in make_stream()]
+    rates = {}
+    for phases in (1, 4):
+        cache = static_cache(edge, BUDGETS[budget], [{"edge": s} for s in stream], "zero_copy")
+        capacity = cache.capacity("edge")
+        for epoch in range(3):
+            cache.begin_epoch("train", phases, len(stream))
+            before, hits, lookups = cache.counters("edge").hits, 0, 0
+            for i, ids in enumerate(stream):
+                unique = Unique.of(ids)
+                cache.count("edge", unique, i)  # counted first, as the staging threads do
+                cache.enter("edge", i)
+                valid = unique.values[unique.values >= 0]
+                hits += int((cache.slot_map("edge")[valid] >= 0).sum())
+                lookups += valid.numel()
+                rows = cache.reader("edge")(unique.values.clamp(min=0))
+                assert torch.equal(rows[unique.values >= 0].view(torch.int32), edge[valid].view(torch.int32))
+                held = torch.nonzero(cache.slot_map("edge") >= 0).flatten()
+                assert held.numel() <= capacity
+                assert torch.equal(cache.slots("edge")[cache.slot_map("edge")[held].long()], edge[held])
+            assert cache.counters("edge").hits - before == hits
+        rates[phases] = hits / lookups  # the third epoch's: runs planned from the second's
+        c = cache.counters("edge")
+        assert c.hits + c.misses == c.lookups and c.rows_h2d == c.misses + c.preloaded
+    assert rates[4] > 1.5 * rates[1] > 0, rates
+
+
+def test_hot_set_runs_need_a_batch_each_and_fall_back_to_one_hot_set():
+    """More runs than batches, or a last epoch that used fewer rows than the capacity: one hot
+    set for the epoch (its uses still counted per run where there are enough batches)."""
+    edge, _ = make_tables()
+    stream = [b["edge"] for b in make_stream(batches=3)]
+    cache = static_cache(edge, 1.0, [{"edge": s} for s in stream], "zero_copy")
+    t = cache._tables["edge"]
+    cache.begin_epoch("train", 8, len(stream))
+    assert t.phases == 1 and t.seen.shape == (1, EDGES)
+    for i, ids in enumerate(stream):
+        cache.serve("edge", Unique.of(ids).values.clamp(min=0), unique=Unique.of(ids), index=i)
+    cache.begin_epoch("train", 3, len(stream))
+    assert t.phases == 3 and len(t.plans) == 1 and t.hot_bits is None  # every used row fits
+
+
 def test_zero_copy_reads_of_a_1d_table_return_a_vector():
     from fastopt.codegen import cached_rows
 
