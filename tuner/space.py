@@ -105,6 +105,7 @@ class SpaceContext:
     ops: Tuple[FusedOp, ...] = ()  # fused ops the generated kernels run (found where they run)
     pairing: bool = False  # networkx is installed: sampler threads can be paired on shared caches
     factorable: bool = False  # an attention's keys/values carry a time encoding that can be factored out
+    waits: bool = False  # the model takes its edge features only after inputs.edges_ready() (waits_for_edges)
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,10 @@ def _host_cache(values: Dict[str, Any]) -> bool:
     return _host_placement(values) and values.get("cache.budget_fraction", 0.0) > 0.0
 
 
+def _zero_copy_cache(values: Dict[str, Any]) -> bool:
+    return _host_cache(values) and values.get("cache.host_reads") == "zero_copy"
+
+
 _CANDIDATES: Tuple[_Candidate, ...] = (
     _Candidate("train.batch_size", lambda ctx: len(ctx.batch_sizes) > 1, lambda ctx: ctx.batch_sizes,
                why="only sizes the user allows: the batch size changes what the model learns"),
@@ -169,6 +174,12 @@ _CANDIDATES: Tuple[_Candidate, ...] = (
     _Candidate("cache.policy", lambda ctx: ctx.cuda and ctx.cached, _fixed("static", "lru", "future"),
                when=lambda values: _host_cache(values) and values.get("cache.host_reads") == "staged",
                why="which rows the staged cache keeps"),
+    _Candidate("cache.hot_set_phases", lambda ctx: ctx.cuda and ctx.cached and ctx.layers > 0, _fixed(1, 4, 8),
+               when=_zero_copy_cache, why="hot sets an epoch for the reads in the step: rows of recent "
+                                          "events against the installs"),
+    _Candidate("cache.read_overlap", lambda ctx: ctx.cuda and ctx.cached and ctx.waits, _fixed(False, True),
+               when=_zero_copy_cache, why="the step's reads on a side stream, overlapping the work before "
+                                          "the model takes them"),
     _Candidate("passes.cuda_graphs", lambda ctx: ctx.cuda and ctx.optimized, _fixed("auto", "off"),
                why="replaying the optimized forward/backward against capture time and memory"),
     _Candidate("pipeline.step_graphs", lambda ctx: ctx.cuda,
@@ -425,7 +436,8 @@ def space_context(model, graph, config: Config, device, batch_sizes=None) -> Spa
                         cached=has_edge and config.sampler.dedup, cores=_cores(), batch_sizes=sizes,
                         ops=fused_ops(model, graph, config) if kernels else (),
                         pairing=importlib.util.find_spec("networkx") is not None,
-                        factorable=kernels and time_encoding_factorable(model, graph, config))
+                        factorable=kernels and time_encoding_factorable(model, graph, config),
+                        waits=bool(getattr(model, "waits_for_edges", False)))
 
 
 # what the probe of fused_ops changes in the run's config: the CPU, the optimized model through

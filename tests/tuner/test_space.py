@@ -91,8 +91,13 @@ def test_knobs_under_other_knobs_are_suggested_only_when_they_matter(small_graph
     assert host["cache.budget_fraction"] == 0.25 and host["cache.policy"] == "lru"
     # zero-copy reads keep a static hot set: no policy to choose
     zero_copy = space.suggest(optuna.trial.FixedTrial({**base, "cache.placement": "host", "cache.budget_fraction": 0.25,
-                                                       "cache.host_reads": "zero_copy"}))
+                                                       "cache.host_reads": "zero_copy", "cache.hot_set_phases": 4,
+                                                       "cache.read_overlap": True}))
     assert zero_copy["cache.host_reads"] == "zero_copy" and "cache.policy" not in zero_copy
+    # and its hot sets an epoch, and the side-stream read for a model that waits for its edges (TGN)
+    assert zero_copy["cache.hot_set_phases"] == 4 and zero_copy["cache.read_overlap"] is True
+    assert "cache.hot_set_phases" not in host and "cache.read_overlap" not in host
+    assert "cache.read_overlap" not in space_for("tgat", small_graph, device="cuda").names
     no_cache = space.suggest(optuna.trial.FixedTrial({**base, "cache.placement": "host",
                                                       "cache.budget_fraction": 0.0}))
     assert "cache.policy" not in no_cache and "cache.host_reads" not in no_cache
