@@ -226,6 +226,9 @@ class SlimCache:
         A zero-copy table installs the hot set ``split``'s last epoch used; ``phases`` > 1: one
         for each of that many runs of the epoch's ``batches`` (:meth:`enter` installs the next
         ones; ``cache.hot_set_phases``)."""
+        if not 1 <= phases <= 8:
+            raise CacheError(f"phases must be in [1, 8] (got {phases}): one bit per run and row counts "
+                             f"the hits; pass cache.hot_set_phases between 1 and 8")
         with self._lock:
             self._seal(None)
             for table in self._tables.values():  # refused before anything changes

@@ -418,28 +418,32 @@ class TableCache:
         it): install its run's hot set where the batch before was in another run."""
         phase = self.phase_of(index)
         if phase != self.phase and len(self.plans) > 1:
-            self.make_resident(self.plans[phase], transfer)
+            self.make_resident(self.plans[phase], transfer, on_current=True)
         self.phase = phase
 
     def install(self, uses: torch.Tensor, transfer: TransferStream) -> None:
         """Give the ``capacity`` most used rows slots (a static hot set: :meth:`make_resident`)."""
         self.make_resident(hot_set(uses, self.directory.capacity), transfer)
 
-    def make_resident(self, hot: torch.Tensor, transfer: TransferStream) -> None:
+    def make_resident(self, hot: torch.Tensor, transfer: TransferStream, on_current: bool = False) -> None:
         """Give the rows ``hot`` (at most ``capacity``) slots: the free ones, then those of
         residents outside ``hot``; their rows are loaded on the transfer stream, ordered after
-        the current stream's work and before its later work."""
+        the current stream's work and before its later work. ``on_current``: on the current
+        stream itself, the ids uploaded from pinned memory (a run's hot set installed between
+        the steps that read the slots: neither the copy stream nor the host waits for them)."""
         if self.writable:
             self.flush()  # a dirty row goes home before its slot is given to another
         incoming, slots, evicted = self.directory.install(hot)
         if incoming.numel() == 0:
             return
-        stream = transfer.stream
+        stream = None if on_current else transfer.stream
         current = torch.cuda.current_stream(self.device) if stream is not None else None
+        pinned = on_current and self.device.type == "cuda"
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             # the ids go up first: a pageable copy waits for its stream, which then waits for the
             # reads queued on the current stream (the host would wait for them too)
-            dev_out, dev_in, dev_at = (t.to(self.device) for t in (evicted, incoming, slots))
+            dev_out, dev_in, dev_at = (t.pin_memory().to(self.device, non_blocking=True) if pinned
+                                       else t.to(self.device) for t in (evicted, incoming, slots))
             if stream is not None:  # after the reads queued on the current stream, before those after
                 stream.wait_stream(current)
             self.slot_map.index_fill_(0, dev_out, -1)

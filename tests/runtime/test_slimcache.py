@@ -694,6 +694,9 @@ def test_hot_set_runs_need_a_batch_each_and_fall_back_to_one_hot_set():
         cache.serve("edge", Unique.of(ids).values.clamp(min=0), unique=Unique.of(ids), index=i)
     cache.begin_epoch("train", 3, len(stream))
     assert t.phases == 3 and len(t.plans) == 1 and t.hot_bits is None  # every used row fits
+    with pytest.raises(CacheError, match=r"phases must be in \[1, 8\] \(got 9\).*cache.hot_set_phases"):
+        cache.begin_epoch("train", 9, 24)
+    assert t.phases == 3  # refused before anything changed
 
 
 def test_zero_copy_reads_of_a_1d_table_return_a_vector():
