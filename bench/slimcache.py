@@ -66,7 +66,7 @@ from typing import Dict, List
 import numpy as np
 import torch
 
-from fastopt.config import CacheConfig
+from fastopt.config import MAX_HOT_SET_PHASES, CacheConfig
 from _meta import git_commit
 from fastopt.data import load_dataset
 from fastopt.errors import ConfigError
@@ -499,7 +499,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-events", type=int, default=0,
                         help="use only the first N training events (0 = the whole train split)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda to also time transfers")
-    parser.add_argument("--hot-set-phases", nargs="+", type=int, default=[1], choices=range(1, 9),
+    parser.add_argument("--hot-set-phases", nargs="+", type=int, default=[1], choices=range(1, MAX_HOT_SET_PHASES + 1),
                         help="zero_copy's hot sets an epoch (cache.hot_set_phases), each a row (zero_copy/N)")
     parser.add_argument("--threads", type=int, default=2, help="gather threads")
     parser.add_argument("--torch-threads", type=int, default=1,

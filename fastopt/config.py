@@ -43,9 +43,12 @@ else:
     OPENMP_WAIT_POLICY = None
 
 __all__ = ["DataConfig", "SamplerConfig", "CacheConfig", "KernelsConfig", "PassesConfig", "PipelineConfig",
-           "ModelConfig", "TrainConfig", "TunerConfig", "Config", "ConfigWarning", "OP_OVERRIDE_FIELDS",
-           "OTHER_VARIABLES", "default_config", "format_op_overrides", "parse_op_overrides", "patch",
+           "ModelConfig", "TrainConfig", "TunerConfig", "Config", "ConfigWarning", "MAX_HOT_SET_PHASES",
+           "OP_OVERRIDE_FIELDS", "OTHER_VARIABLES", "default_config", "format_op_overrides", "parse_op_overrides", "patch",
            "resolve_config"]
+
+
+MAX_HOT_SET_PHASES = 8  # cache.hot_set_phases: one bit per run and row counts a run's hits
 
 
 @dataclass
@@ -63,8 +66,7 @@ class SamplerConfig:
     # pin sampler threads to cores that share a cache, read from /sys/devices/system/cpu (pairing
     # the threads needs networkx: pip install "fastopt[topology]")
     pin_threads: bool = False
-    # treat every event as two directed edges (src->dst and dst->src)
-    undirected: bool = True
+    undirected: bool = True  # treat every event as two directed edges (src->dst and dst->src)
     # move a batch's unique feature rows only (False: every sampled slot's row, duplicates included)
     dedup: bool = True
     # models of 2+ layers: a node reached through one event by several slots of a layer is expanded once
@@ -87,8 +89,8 @@ class CacheConfig:
     # read_overlap: on a side stream the step joins where the model takes the rows (waits_for_edges)
     read_in_step: bool = True
     read_overlap: bool = False
-    # zero-copy reads in the training step: the epoch's batches in this many runs (1-8), each read
-    # through the hot set the same run of the split's last epoch used most (1: one hot set an epoch)
+    # zero-copy reads in the training step: the epoch's batches in this many runs (1 to
+    # MAX_HOT_SET_PHASES), each through the hot set the same run of the last epoch used most
     hot_set_phases: int = 1
     # a mapped edge table that zero-copy reads would serve is read into pinned RAM when it takes at
     # most this fraction of the available host memory (else read in place); 0 = never
@@ -109,14 +111,11 @@ class KernelsConfig:
     rows_per_program: int = 0
     # rows held side by side in one attention/reduction tile (power of two); 0 = heuristic
     block_m: int = 0
-    # heads handled by one program; 0 = all heads
-    heads_per_program: int = 0
+    heads_per_program: int = 0  # heads handled by one program; 0 = all heads
     # neighbor slots per tile (power of two); 0 = heuristic (covers K when the tile fits)
     block_k: int = 0
-    # warps per program; 0 = heuristic per GPU
-    num_warps: int = 0
-    # software-pipelining stages; 0 = heuristic per GPU
-    num_stages: int = 0
+    num_warps: int = 0  # warps per program; 0 = heuristic per GPU
+    num_stages: int = 0  # software-pipelining stages; 0 = heuristic per GPU
     # registers per thread the generated kernels may use (maxnreg, 24..255); 0 = the compiler's choice
     max_registers: int = 0
     # per fused op and problem shape, mapping fields over the heuristics and the knobs above:
@@ -397,7 +396,8 @@ class Config:
         _check(self.cache.transfer_dtype in ("float32", "bfloat16", "float16"), "cache.transfer_dtype",
                self.cache.transfer_dtype, "one of 'float32', 'bfloat16', 'float16'")
         _check(self.cache.gather_threads >= 1, "cache.gather_threads", self.cache.gather_threads, ">= 1")
-        _check(1 <= self.cache.hot_set_phases <= 8, "cache.hot_set_phases", self.cache.hot_set_phases, "in [1, 8]")
+        _check(1 <= self.cache.hot_set_phases <= MAX_HOT_SET_PHASES, "cache.hot_set_phases",
+               self.cache.hot_set_phases, f"in [1, {MAX_HOT_SET_PHASES}]")
         _check(0.0 < self.cache.sample_fraction <= 1.0, "cache.sample_fraction",
                self.cache.sample_fraction, "in (0, 1]")
         _check(self.cache.split in ("greedy", "proportional"), "cache.split", self.cache.split,

@@ -32,12 +32,11 @@ def count_uses(const int64_t[::1] values, const index_t[::1] inverse, bint pad, 
     cdef int64_t requested = m, hits = 0
     cdef bint has_seen = seen is not None, has_map = slot_of is not None, has_hot = hot is not None
     cdef uint8_t mask = <uint8_t>(1 << bit) if 0 <= bit < 8 else 0
-    if has_seen and n > start and values[n - 1] >= seen.shape[0]:
-        raise IndexError(f"id {values[n - 1]} is outside seen's {seen.shape[0]} rows")
-    if has_map and n > start and values[n - 1] >= slot_of.shape[0]:
-        raise IndexError(f"id {values[n - 1]} is outside slot_of's {slot_of.shape[0]} rows")
-    if has_hot and n > start and values[n - 1] >= hot.shape[0]:
-        raise IndexError(f"id {values[n - 1]} is outside hot's {hot.shape[0]} rows")
+    if n > start:  # the largest id is the last
+        for what, rows in (("seen", seen.shape[0] if has_seen else -1), ("slot_of", slot_of.shape[0] if has_map else -1),
+                           ("hot", hot.shape[0] if has_hot else -1)):
+            if 0 <= rows <= values[n - 1]:
+                raise IndexError(f"id {values[n - 1]} is outside {what}'s {rows} rows")
     with nogil:
         if pad:
             for i in range(m):

@@ -462,8 +462,8 @@ class Loader:
                 tensor.record_stream(current)
         if not self.cuda:
             self._read_rows(staged)
-        if staged.batch.reads is not None and staged.batch.index >= 0:  # read by the step, after this
-            self.cache.enter("edge", staged.batch.index)
+        if staged.batch.reads is not None and staged.batch.index >= 0 and self.config.cache.hot_set_phases > 1:
+            self.cache.enter("edge", staged.batch.index)  # read by the step, after this: its run's hot set
         if not staged.built:
             self._build(staged)
         return staged.batch

@@ -57,7 +57,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Union
 
 import torch
 
-from fastopt.config import CacheConfig, Config
+from fastopt.config import MAX_HOT_SET_PHASES, CacheConfig, Config
 from fastopt.errors import CacheError, ConfigError, device_memory_guard
 from fastopt.runtime.blocks import Unique
 from fastopt.runtime.cache_policy import (
@@ -226,9 +226,9 @@ class SlimCache:
         A zero-copy table installs the hot set ``split``'s last epoch used; ``phases`` > 1: one
         for each of that many runs of the epoch's ``batches`` (:meth:`enter` installs the next
         ones; ``cache.hot_set_phases``)."""
-        if not 1 <= phases <= 8:
-            raise CacheError(f"phases must be in [1, 8] (got {phases}): one bit per run and row counts "
-                             f"the hits; pass cache.hot_set_phases between 1 and 8")
+        if not 1 <= phases <= MAX_HOT_SET_PHASES:
+            raise CacheError(f"phases must be in [1, {MAX_HOT_SET_PHASES}] (got {phases}): one bit per run and "
+                             f"row counts the hits; pass cache.hot_set_phases between 1 and {MAX_HOT_SET_PHASES}")
         with self._lock:
             self._seal(None)
             for table in self._tables.values():  # refused before anything changes
