@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from fastopt.errors import CacheError
+from fastopt.runtime.counting import rank_hot
 
 __all__ = ["AccessPlan", "SlotDirectory", "ReplacementPolicy", "LruPolicy", "FuturePolicy", "StaticPolicy",
            "NextUseIndex", "BeladyResult", "belady_optimum", "access_counts", "hot_set", "split_budget",
@@ -549,16 +550,15 @@ def belady_optimum(stream: Sequence, capacity: int, num_rows: Optional[int] = No
 
 
 def hot_set(counts: torch.Tensor, capacity: int) -> torch.Tensor:
-    """The ids of at most ``capacity`` rows with the largest positive ``counts``, most used first
-    (lower ids first on ties): a static hot set. Its cut is found by a partition, not a sort."""
-    c = counts.numpy()
-    hot = np.flatnonzero(c > 0)
-    if hot.size > max(capacity, 0):
-        used = c[hot]
-        cut = np.partition(used, hot.size - capacity)[hot.size - capacity] if capacity > 0 else used.max() + 1
-        hot = np.concatenate([hot[used > cut], hot[used == cut]])[:capacity]
-        hot = hot[np.lexsort((hot, -c[hot].astype(np.int64)))]
-    return torch.from_numpy(hot)
+    """The ids of at most ``capacity`` rows with the largest positive ``counts`` (non-negative),
+    most used first, lower ids first on ties: a static hot set, ranked in two passes over the
+    counts (:func:`~fastopt.runtime.counting.rank_hot`; counts of 2**22 or more by their rank)."""
+    c = np.ascontiguousarray(counts.numpy())
+    top = int(c.max()) if c.size and capacity > 0 else 0
+    if top >= 1 << 22:  # a histogram of the distinct counts instead: same order, fewer bins
+        levels = np.unique(np.concatenate([np.zeros(1, c.dtype), c[c > 0]]))
+        c, top = np.searchsorted(levels, c), levels.size - 1
+    return torch.from_numpy(rank_hot(c, capacity, top) if top > 0 else np.zeros(0, dtype=np.int64))
 
 
 def make_policy(name: str, num_rows: int) -> Tuple[ReplacementPolicy, Optional[NextUseIndex]]:

@@ -1,10 +1,14 @@
 # cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""SlimCache's per-batch use counting in one pass without the GIL.
+"""SlimCache's use counting and hot-set ranking, in loops without the GIL.
 
 A staging thread counts every batch it stages (the cache's counters and the uses that pick the
 next epoch's hot set). In NumPy that is five passes with temporaries over the batch's ids, with
 the GIL taken between them, on a thread that races the training thread for the GIL and for
 cores busy with sampling; here it is one loop over the unique ids and one over the inverse.
+
+At an epoch's start the training thread ranks a table's rows by those uses, once per planned hot
+set: two passes over the counts (a histogram, then each chosen row written to its count's place),
+where NumPy's partition, masks and sort took 0.6 s per 50 M rows on 2 cores.
 """
 
 from libc.stdint cimport int32_t, int64_t, uint8_t
@@ -12,6 +16,10 @@ from libc.stdint cimport int32_t, int64_t, uint8_t
 import numpy as np
 
 ctypedef fused index_t:
+    int32_t
+    int64_t
+
+ctypedef fused count_t:
     int32_t
     int64_t
 
@@ -51,3 +59,51 @@ def count_uses(const int64_t[::1] values, const index_t[::1] inverse, bint pad, 
             elif has_hot and hot[values[i]] & mask:
                 hits += 1
     return int(requested), int(hits)
+
+
+def rank_hot(const count_t[::1] counts, Py_ssize_t capacity, int64_t top):
+    """The ids of at most ``capacity`` rows with the largest positive ``counts``, by count
+    (descending), then id: a static hot set. ``top``: the largest count (the histogram has
+    ``top + 1`` bins, so the caller bounds it); every count must be in ``[0, top]``."""
+    cdef Py_ssize_t n = counts.shape[0], i
+    cdef int64_t v, c, cut = 0, chosen = 0, room = 0, fits, end, take
+    if top < 0:
+        raise ValueError(f"top must be non-negative (got {top})")
+    hist_arr = np.zeros(top + 1, dtype=np.int64)
+    cdef int64_t[::1] hist = hist_arr
+    cdef bint bad = False
+    with nogil:
+        for i in range(n):  # no branch on the count: about half the rows of an epoch are unused
+            c = counts[i]
+            bad |= (c < 0) | (c > top)
+            hist[c if 0 <= c <= top else 0] += 1
+        if not bad:
+            # the cut: rows counted above it all fit; rows at it fill what is left, lower ids first
+            v = top
+            while v > 0:
+                if chosen + hist[v] > capacity:
+                    cut, room = v, capacity - chosen
+                    break
+                chosen += hist[v]
+                v -= 1
+            # hist[v] becomes the place of count v's next row (most used first)
+            c = 0
+            v = top
+            while v > cut:
+                fits = hist[v]
+                hist[v] = c
+                c += fits
+                v -= 1
+            hist[cut] = c
+    if bad:
+        raise ValueError(f"a count is outside [0, top={top}]")
+    end = chosen + (room if cut > 0 else 0)
+    out_arr = np.empty(end + 1, dtype=np.int64)  # the last place takes the rows left out
+    cdef int64_t[::1] out = out_arr
+    with nogil:
+        for i in range(n):
+            c = counts[i]
+            take = (c > cut) | ((c == cut) & (cut > 0) & (hist[cut] < end))
+            out[hist[c] if take else end] = i
+            hist[c] += take
+    return out_arr[:end]

@@ -298,10 +298,13 @@ class SlimCache:
         -1 for padding), which the counters and the next hot set count (``counted=False``: a
         lookup outside the epoch, which counts nothing); ``index``: the batch's place in the
         epoch (:meth:`enter`, :meth:`count`)."""
-        if counted:
-            self.enter(table, index)
-            self.count(table, unique, index)
-        return self.reader(table)(ids)
+        with self._lock:  # once for the three steps
+            t = self._zero_copy_table(table)
+            if counted:
+                t.enter(index, self._transfer)
+                t.served(*t.unique_of(unique), index)
+            read = t.read
+        return read(ids)
 
     def count(self, table: str, unique: Unique, index: int = 0) -> None:
         """Count a zero-copy read of ``unique`` (the unique ids of the epoch's batch ``index``
@@ -309,8 +312,7 @@ class SlimCache:
         thread: the counters and the next hot set, as :meth:`serve` counts."""
         with self._lock:
             t = self._zero_copy_table(table)
-            values, inverse, pad = t.unique_of(unique)
-            t.served(values, inverse, pad, index)
+            t.served(*t.unique_of(unique), index)
 
     def enter(self, table: str, index: int) -> None:
         """Before a zero-copy read of the epoch's batch ``index``, in batch order, on the stream

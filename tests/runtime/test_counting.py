@@ -44,3 +44,12 @@ def test_count_uses_rejects_ids_outside_the_tables():
     with pytest.raises(IndexError, match="id 4 is outside slot_of's 4 rows"):
         count_uses(np.array([-1, 4]), np.array([0, 1]), True, None, slot_of)
     assert not seen.any()  # nothing counted before the check
+
+
+def test_rank_hot_rejects_a_count_above_its_histogram():
+    from fastopt.runtime.counting import rank_hot
+
+    with pytest.raises(ValueError, match=r"a count is outside \[0, top=2\]"):
+        rank_hot(np.array([1, 3, 0], np.int64), 2, 2)
+    assert rank_hot(np.array([0, 2, 1, 2, 0], np.int32), 2, 2).tolist() == [1, 3]
+    assert rank_hot(np.array([1, 2, 1, 1], np.int32), 3, 2).tolist() == [1, 0, 2]  # ties at the cut: lower ids

@@ -759,14 +759,40 @@ def test_ranked_slots_find_the_largest_keys_as_a_full_ranking_does(monkeypatch, 
         assert ranked._entries <= 2 * capacity
 
 
-@settings(max_examples=200, deadline=None)
-@given(counts=st.lists(st.integers(0, 4), max_size=300), capacity=st.integers(0, 320))
-def test_hot_set_is_the_most_used_rows_lower_ids_first_on_ties(counts, capacity):
+@settings(max_examples=300, deadline=None)
+@given(counts=st.lists(st.integers(0, 4), max_size=300) | st.lists(st.sampled_from([0, 1, 5, 2**22 - 1, 2**22, 2**40]), max_size=60),
+       capacity=st.integers(0, 320), narrow=st.booleans())
+def test_hot_set_is_the_most_used_rows_lower_ids_first_on_ties(counts, capacity, narrow):
+    """Counts below 2**22 (int32 or int64) are ranked by a histogram of themselves, larger ones by one of their ranks."""
     from fastopt.runtime.cache_policy import hot_set
 
-    used = [i for i, c in enumerate(counts) if c > 0]
-    if len(used) > capacity:  # brute force: every used row ranked by (count descending, id)
-        used = sorted(used, key=lambda i: (-counts[i], i))[:capacity]
-    got = hot_set(torch.tensor(counts, dtype=torch.int32), capacity)
+    # brute force: every used row ranked by (count descending, id)
+    used = sorted((i for i, c in enumerate(counts) if c > 0), key=lambda i: (-counts[i], i))[:capacity]
+    narrow = narrow and max(counts, default=0) < 2**31
+    got = hot_set(torch.tensor(counts, dtype=torch.int32 if narrow else torch.int64), capacity)
     assert got.dtype == torch.int64
     assert got.tolist() == used
+
+
+@settings(max_examples=150, deadline=None)
+@given(last=st.integers(1, 9), phases=st.integers(1, 8), capacity=st.integers(0, 40), seed=st.integers(0, 2**31 - 1))
+def test_run_plans_rank_the_runs_of_the_last_epoch_that_fall_in_them(last, phases, capacity, seed):
+    """Run ``p`` of ``phases`` ranks the uses of the last epoch's runs ``r`` (of ``last``) with
+    ``r * phases // last == p`` (else the one it falls in), then fills up with the whole epoch's."""
+    from fastopt.runtime.table_cache import _phase_plans
+
+    used = np.random.default_rng(seed).integers(0, 4, size=(last, 60)).astype(np.int32)
+
+    def ranked(uses):
+        return sorted((i for i in range(uses.size) if uses[i] > 0), key=lambda i: (-uses[i], i))[:capacity]
+
+    total = ranked(used.sum(0))
+    plans = _phase_plans(torch.from_numpy(used), phases, capacity)
+    if phases == 1 or capacity == 0 or len(total) < capacity:
+        assert [p.tolist() for p in plans] == [total]
+        return
+    assert len(plans) == phases
+    for p, plan in enumerate(plans):
+        runs = [r for r in range(last) if r * phases // last == p] or [p * last // phases]
+        hot = ranked(used[runs].sum(0))
+        assert plan.tolist() == (hot + [i for i in total if i not in hot])[:capacity]

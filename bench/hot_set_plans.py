@@ -1,0 +1,94 @@
+"""Hot-set planning at scale: the time an epoch's start spends choosing a static hot set.
+
+At each split's epoch start a cached table with a static hot set ranks its rows by the uses its
+last epoch counted (``TableCache.begin_split``), once per run of the epoch with
+``cache.hot_set_phases`` > 1. This runs on the training thread, so at 50 M rows it is part of
+every epoch. The script builds use counts shaped like a chronological edge table's (a run of the
+epoch reads its own stretch of events and, less often, any earlier one), times
+``runtime.table_cache._phase_plans`` per number of runs, and checks every plan against a brute
+force ranking (all used rows sorted by count, descending, then id); a plan that differs is
+printed and the script exits with status 1.
+
+Usage::
+
+    python bench/hot_set_plans.py [--rows 50000000] [--budget 0.1] [--phases 1 8] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+import torch
+
+from _meta import write_record
+from fastopt.runtime.table_cache import _phase_plans
+
+
+def synthetic_uses(rows: int, runs: int, reads: int, seed: int) -> torch.Tensor:
+    """Uses ``[runs, rows]``: each run ``reads`` reads, two thirds inside its own stretch of the
+    rows, one third anywhere before its end (heavier towards it)."""
+    rng = np.random.default_rng(seed)
+    used = torch.zeros(runs, rows, dtype=torch.int32)
+    for p in range(runs):
+        lo, hi = p * rows // runs, (p + 1) * rows // runs
+        local = rng.integers(lo, hi, size=2 * reads // 3)
+        past = (hi * np.sqrt(rng.random(reads - local.size))).astype(np.int64)
+        used[p] = torch.from_numpy(np.bincount(np.concatenate([local, past]), minlength=rows).astype(np.int32))
+    return used
+
+
+def brute_force(uses: np.ndarray, capacity: int) -> np.ndarray:
+    """Every used row by (count descending, id), the first ``capacity``."""
+    ids = np.flatnonzero(uses > 0)
+    return ids[np.lexsort((ids, -uses[ids]))][:capacity]
+
+
+def reference_plans(used: torch.Tensor, phases: int, capacity: int) -> list:
+    """The plans :func:`_phase_plans` documents, from :func:`brute_force`."""
+    u = used.numpy().astype(np.int64)
+    total = brute_force(u.sum(0), capacity)
+    if phases == 1 or total.size < capacity:
+        return [total]
+    last, plans = u.shape[0], []
+    for p in range(phases):
+        rows = [r for r in range(last) if r * phases // last == p] or [p * last // phases]
+        hot = brute_force(u[rows].sum(0), capacity)
+        plans.append(np.concatenate([hot, total[~np.isin(total, hot)]])[:capacity])
+    return plans
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=50_000_000)
+    ap.add_argument("--budget", type=float, default=0.1, help="capacity as a fraction of the rows")
+    ap.add_argument("--phases", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--reads", type=float, default=0.6, help="reads per run, as a fraction of the rows")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    capacity = int(args.rows * args.budget)
+    rows, failed = [], False
+    for phases in args.phases:
+        used = synthetic_uses(args.rows, phases, int(args.reads * args.rows), seed=phases)
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            plans = _phase_plans(used, phases, capacity)
+            times.append(time.perf_counter() - t0)
+        want = reference_plans(used, phases, capacity)
+        ok = len(plans) == len(want) and all(np.array_equal(a.numpy(), b) for a, b in zip(plans, want))
+        failed |= not ok
+        rows.append({"phases": phases, "rows": args.rows, "capacity": capacity, "plans": len(plans),
+                     "seconds": min(times), "median_seconds": float(np.median(times)), "verified": ok})
+        print(f"{phases:>6} runs  {len(plans):>2} plans  {min(times):8.3f} s (best of {args.repeats})  "
+              f"{'ok' if ok else 'PLANS DIFFER FROM THE BRUTE FORCE RANKING'}", flush=True)
+    if args.json:
+        write_record(args.json, threads=torch.get_num_threads(), results=rows)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
