@@ -293,8 +293,7 @@ class Trainer:
         ``val_seconds``). With ``config.train.patience`` training stops once validation AP has not
         improved for that many epochs; with ``config.train.restore_best`` the test runs on the
         weights and state of the epoch with the best validation AP (:attr:`best_epoch`). The
-        test's duration is :attr:`test_seconds`.
-        """
+        test's duration is :attr:`test_seconds`."""
         for _ in self.fit_epochs(epochs, resume=resume, on_epoch=on_epoch):
             pass
         return self.history
@@ -479,11 +478,13 @@ class Trainer:
         inputs, event_feat, reads = unflatten(spec, tensors)
         if reads is not None:  # SlimCache's zero-copy reads, inside the captured step
             inputs, event_feat = reads.apply(inputs, event_feat, self._read_stream)
-        loss, _, _, _ = self._scores(inputs, b, None)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        inputs.edges_ready()  # the events' rows (and any the model left) are read
+        try:
+            loss, _, _, _ = self._scores(inputs, b, None)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+        finally:  # the events' rows (and any the model left) are read; a capture's fork joined as it raises
+            inputs.edges_ready()
         roots, ts = inputs.nodes[0], inputs.times[0]
         self.model.commit(roots[:b], roots[b : 2 * b], ts[:b], event_feat)
         return loss.detach()
@@ -562,11 +563,10 @@ class Trainer:
         self.history = list(state["history"])
 
     def _log(self, record: dict) -> None:
-        if self.log_path is None:
-            return
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "a") as f:
-            f.write(json.dumps(record, default=float) + "\n")
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(record, default=float) + "\n")
 
 
 def random_state() -> dict:

@@ -7,7 +7,6 @@ Layering: imports nothing of fastopt but other runtime modules.
 from __future__ import annotations
 
 import copy
-import functools
 from dataclasses import dataclass
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
@@ -67,7 +66,8 @@ class RowReads(NamedTuple):
             side.wait_stream(current)
             with torch.cuda.stream(side):
                 inputs, event_feat = self.apply(inputs, event_feat)
-            inputs.edges_pending = functools.partial(current.wait_stream, side)
+            # the stream current where they are taken waits (a runner's capture may take them on its own)
+            inputs.edges_pending = lambda: torch.cuda.current_stream(side.device).wait_stream(side)
             return inputs, event_feat
         rows = self.read(self.ids)
         n = rows.shape[0] - self.events

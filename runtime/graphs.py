@@ -54,6 +54,7 @@ from fastopt.config import default_config
 from fastopt.errors import KernelError
 from fastopt.runtime.capture import GraphPair, Uncapturable, end_generator_capture
 from fastopt.runtime.flatten import flatten, unflatten
+from fastopt.runtime.inputs import GraphInputs
 from fastopt.runtime.padding import RowPad, pad_rows
 
 __all__ = [
@@ -266,6 +267,9 @@ class GraphRunner:
             if any(m.__dict__.get("_fastopt_verify", 0) > 0 for m in self._verifying):
                 return fallback(*args, **kwargs)
             self._verifying = []
+        for a in args:  # rows another stream still reads join here: before they are keyed or copied in
+            if isinstance(a, GraphInputs):
+                a.edges_ready()
         tensors, spec = flatten((args, kwargs))
         row_pads = _row_pads(args, pads, tensors) if pads else None
         where = _where_tensors_are(tensors)

@@ -232,6 +232,8 @@ class Loader:
         """The model's inputs for arbitrary ``roots`` at ``times``, built synchronously (rows
         read past SlimCache: a batch outside the epoch's plan neither uses nor changes it)."""
         roots = np.asarray(roots, dtype=np.int64)
+        if self.cuda:  # read after the work queued before (a run's hot-set install, on the current stream)
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         batch = EventBatch(-1, 0, 0, roots, roots[:0], np.asarray(times, dtype=np.float64)[:0],
                            roots[:0])
         staged = self.stage(batch, roots=roots, times=np.asarray(times, dtype=np.float64))

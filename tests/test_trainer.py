@@ -202,3 +202,28 @@ def test_progress_bars_in_a_notebook(monkeypatch):
     bar = progress.progress_bar(range(3), "x", True)
     assert not isinstance(bar, progress._Quiet) and list(bar) == [0, 1, 2]
     assert isinstance(progress.progress_bar(range(3), "x", "lines"), progress._Quiet)
+
+
+def test_a_step_that_raises_still_joins_the_rows_read_on_a_side_stream(small_graph, monkeypatch):
+    """A training step whose forward raises joins the side stream its rows were read on
+    (``cache.read_overlap``) before the error leaves it: a capture left with an unjoined fork would
+    end with another error, hiding the step's own."""
+    import fastopt.trainer as trainer_module
+
+    t, log = make(small_graph), []
+    inputs = t.build_inputs(np.array([0, 1]), np.array([1.0, 1.0]))
+
+    class Reads:
+        def apply(self, inputs, event_feat, side):
+            inputs.edges_pending = lambda: log.append("joined")
+            return inputs, event_feat
+
+    def scores(*args):
+        log.append("forward")
+        raise RuntimeError("the forward failed")
+
+    monkeypatch.setattr(trainer_module, "unflatten", lambda spec, tensors: (inputs, None, Reads()))
+    monkeypatch.setattr(t, "_scores", scores)
+    with pytest.raises(RuntimeError, match="the forward failed"):
+        t._whole_step([], 1, ())
+    assert log == ["forward", "joined"]

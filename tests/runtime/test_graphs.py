@@ -350,6 +350,25 @@ def test_padded_calls_share_one_graph_and_are_trimmed(fake_capture):
         runner(module, lambda a, n: a, (x, 3), {}, pads=(None, RowPad(8)))
 
 
+def test_a_runner_joins_rows_still_being_read_before_it_keys_or_copies_them(fake_capture):
+    """Inputs whose edge rows another stream still reads (``edges_pending``, ``cache.read_overlap``)
+    are joined before the runner keys the call or copies its tensors in: a fresh join per call
+    neither changes the key (one graph pair for all calls) nor is left for after the copy."""
+    runner, log = graphs.GraphRunner(graphs.GraphCapture("model")), []
+
+    def plain(inputs):
+        log.append("read")
+        return inputs.edge_feat[0].sum(1)
+
+    with patch(passes__cuda_graphs="on"):
+        for seed in range(3):
+            inputs = _graph_inputs(seed=seed)
+            inputs.edges_pending = lambda: log.append("joined")
+            torch.testing.assert_close(runner(nn.Identity(), plain, (inputs,), {}), inputs.edge_feat[0].sum(1))
+            assert inputs.edges_pending is None
+    assert log == ["joined", "read"] * 3 and len(fake_capture.captured) == 1 and runner.held == 1
+
+
 def test_padded_copies_write_rows_then_padding_in_one_list_per_kind():
     """A padded replay's input copy: each call's rows, then the pad value over the rows a larger
     earlier call left (stale rows overwritten; rows already holding the padding not written
