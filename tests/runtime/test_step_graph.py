@@ -216,6 +216,30 @@ def test_zero_copy_reads_inside_the_captured_step_train_as_reads_at_staging(smal
         assert abs(ap - ap2) < {"tgn": 1e-2, "tgat": 0.05}[name]  # (measured spread: the test above)
 
 
+def test_side_stream_reads_feed_an_optimized_tgn_captured_per_module(small_graph):
+    """With the whole step left uncaptured and the optimized TGN's modules captured
+    (``passes.cuda_graphs = "on"``), rows read on a side stream (``cache.read_overlap``) are joined
+    before a module's graph takes them: the same training as without the side stream, and the
+    model's graphs replay (a pending join in the call's signature would capture every call anew)."""
+    runs = []
+    for overlap in (False, True):
+        cfg = Config()
+        cfg.train.device, cfg.train.batch_size, cfg.train.mrr_negatives = "cuda", 200, 0
+        cfg.train.optimize, cfg.pipeline.step_graphs, cfg.passes.cuda_graphs = "on", "off", "on"
+        cfg.cache.placement, cfg.cache.host_reads, cfg.cache.budget_fraction = "host", "zero_copy", 0.2
+        cfg.cache.read_in_step, cfg.cache.read_overlap, cfg.pipeline.shape_plans = True, overlap, False
+        torch.manual_seed(0)
+        t = Trainer(build_model("tgn", small_graph, dropout=0.0, memory_dim=16, dim=16, time_dim=8),
+                    small_graph, cfg, progress=False)
+        assert (t._read_stream is not None) == overlap
+        t.fit(2)
+        steps = len(list(t.plan("train", 1)))
+        assert t.history[1]["captures"] < steps / 2, (steps, t.history)  # it replays what the first captured
+        runs.append(([h["loss"] for h in t.history], {k: v.detach().cpu().clone() for k, v in t.model.state_dict().items()}))
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-4, atol=1e-5)
+    _assert_trained_alike(runs[0][1], runs[1][1], cfg.train.lr, "after two epochs")
+
+
 def test_a_run_settles_on_one_captured_shape_per_batch_size(small_graph):
     """The unique nodes are padded to the largest length seen, so a later epoch captures nothing new
     (per-batch lengths used to make more shapes than the graphs kept: a capture every few steps)."""
