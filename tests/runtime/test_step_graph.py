@@ -198,8 +198,8 @@ def test_zero_copy_reads_inside_the_captured_step_train_as_reads_at_staging(smal
         assert graphs.captures >= 1 and graphs.replays > 0 and graphs.disabled is None, graphs.disabled_trace
         state = {k: v.detach().cpu().clone() for k, v in t.model.state_dict().items()}
         counters = t.loader.cache.counters("edge")
-        if phases > 1:  # more of the second epoch's rows were held (its first has no plan yet)
-            assert counters.hits >= runs[0][2].hits and counters.requested == runs[0][2].requested
+        if phases > 1:  # the same rows asked for, held by other hot sets
+            assert counters.requested == runs[0][2].requested
         runs.append(([h["loss"] for h in t.history], state, counters if phases == 1 else None, t.test_metrics["ap"]))
     (losses, state, counters, ap), later = runs[0], runs[1:]
     for losses2, state2, counters2, ap2 in later:
@@ -216,16 +216,17 @@ def test_zero_copy_reads_inside_the_captured_step_train_as_reads_at_staging(smal
         assert abs(ap - ap2) < {"tgn": 1e-2, "tgat": 0.05}[name]  # (measured spread: the test above)
 
 
-def test_side_stream_reads_feed_an_optimized_tgn_captured_per_module(small_graph):
-    """With the whole step left uncaptured and the optimized TGN's modules captured
-    (``passes.cuda_graphs = "on"``), rows read on a side stream (``cache.read_overlap``) are joined
-    before a module's graph takes them: the same training as without the side stream, and the
-    model's graphs replay (a pending join in the call's signature would capture every call anew)."""
+def test_side_stream_reads_feed_an_optimized_tgn_whose_modules_capture(small_graph):
+    """The whole step's eager warm-ups call the optimized TGN's own graph runner
+    (``passes.cuda_graphs = "on"``) with rows still being read on a side stream
+    (``cache.read_overlap``): the runner joins them before it keys the call or copies them in, so
+    training equals training without the side stream and the model captures as often (a pending
+    join in the call's signature captured every warm-up call anew, copying rows not yet read)."""
     runs = []
     for overlap in (False, True):
         cfg = Config()
         cfg.train.device, cfg.train.batch_size, cfg.train.mrr_negatives = "cuda", 200, 0
-        cfg.train.optimize, cfg.pipeline.step_graphs, cfg.passes.cuda_graphs = "on", "off", "on"
+        cfg.train.optimize, cfg.pipeline.step_graphs, cfg.passes.cuda_graphs = "on", "on", "on"
         cfg.cache.placement, cfg.cache.host_reads, cfg.cache.budget_fraction = "host", "zero_copy", 0.2
         cfg.cache.read_in_step, cfg.cache.read_overlap, cfg.pipeline.shape_plans = True, overlap, False
         torch.manual_seed(0)
@@ -233,9 +234,10 @@ def test_side_stream_reads_feed_an_optimized_tgn_captured_per_module(small_graph
                     small_graph, cfg, progress=False)
         assert (t._read_stream is not None) == overlap
         t.fit(2)
-        steps = len(list(t.plan("train", 1)))
-        assert t.history[1]["captures"] < steps / 2, (steps, t.history)  # it replays what the first captured
-        runs.append(([h["loss"] for h in t.history], {k: v.detach().cpu().clone() for k, v in t.model.state_dict().items()}))
+        assert t._step_graphs.disabled is None, t._step_graphs.disabled_trace
+        state = {k: v.detach().cpu().clone() for k, v in t.model.state_dict().items()}
+        runs.append(([h["loss"] for h in t.history], state, [h["captures"] for h in t.history]))
+    assert runs[0][2] == runs[1][2], (runs[0][2], runs[1][2])
     torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-4, atol=1e-5)
     _assert_trained_alike(runs[0][1], runs[1][1], cfg.train.lr, "after two epochs")
 
