@@ -95,6 +95,9 @@ class EpochStream:
 
 
 def dataset_path(name: str) -> str:
+    """A shipped dataset's file by name, or ``name`` itself (a path: ``fastopt data synth``'s folder)."""
+    if os.path.exists(name):
+        return name
     hits = sorted(DATA.glob(f"{name}.*"))
     return str(hits[0]) if hits else name
 
