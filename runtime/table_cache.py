@@ -39,6 +39,7 @@ from fastopt.errors import CacheError
 from fastopt.runtime.blocks import Unique
 from fastopt.runtime.cache_policy import AccessPlan, SlotDirectory, hot_set, make_policy
 from fastopt.runtime.counting import count_uses
+from fastopt.runtime.run_plans import RunPlans
 from fastopt.runtime.staging import HostGatherer, StagingBuffers, TransferStream, pack_tensors, unpack_tensors
 
 # Rows a hot-set install loads per staging buffer (a cache of millions of slots is filled in parts).
@@ -204,11 +205,10 @@ class TableCache:
         self.seen: Optional[torch.Tensor] = None  # uses per run and row in the current epoch
         self.split = ""
         self.used: Dict[str, torch.Tensor] = {}  # split -> uses per run and row in its last epoch
-        # hot sets per run of the epoch's batches (begin_split's phases): the runs' hot sets, one
-        # bit per run and row (what the counts take as hits), the run installed
+        # hot sets per run of the epoch's batches (begin_split's phases): their plans (with one
+        # bit per run and row, what the counts take as hits), the run installed
         self.phases, self.batches, self.phase = 1, 0, 0
-        self.plans: List[torch.Tensor] = []
-        self.hot_bits: Optional[np.ndarray] = None
+        self.runs: Optional[RunPlans] = None
 
     @property
     def table_bytes(self) -> int:
@@ -260,8 +260,9 @@ class TableCache:
         phase = self.phase_of(index)
         seen = self.seen[phase].numpy() if announced and self.seen is not None else None
         hot = None
-        if slot_of is not None and self.hot_bits is not None:
-            slot_of, hot = None, self.hot_bits
+        if slot_of is not None and self.runs is not None and self.runs.bits is not None:
+            self.runs.ready(phase)
+            slot_of, hot = None, self.runs.bits
         return count_uses(values.numpy(), inverse.reshape(-1).numpy(), bool(pad), seen,
                           None if slot_of is None else slot_of.numpy(), hot, phase)
 
@@ -393,21 +394,19 @@ class TableCache:
         none yet). ``phases`` > 1: the epoch's ``batches`` in that many runs of equal length, each
         with the hot set of the same run of the last epoch (:meth:`enter` installs them in turn),
         filled up to the capacity with the epoch's most used rows so that the slots hold exactly
-        it; one hot set where the last epoch used fewer rows than the capacity."""
+        it; one hot set where the last epoch used fewer rows than the capacity. The first run's
+        set is planned here, the others on a thread while it trains (:class:`RunPlans`)."""
+        if self.runs is not None:
+            self.runs.join()  # the uses it ranks are replaced below
         if self.seen is not None and int(self.seen.count_nonzero()):
             self.used[self.split] = self.seen
         self.phases = phases if 1 < phases <= batches else 1
         used = self.used.get(split)
-        self.plans = [] if used is None else _phase_plans(used, self.phases, self.directory.capacity)
+        self.runs = None if used is None else RunPlans(used, self.phases, self.directory.capacity)
         self.split, self.batches, self.phase = split, batches, 0
         self.seen = torch.zeros(self.phases, self.num_rows, dtype=torch.int32)
-        self.hot_bits = None
-        if len(self.plans) > 1:
-            self.hot_bits = np.zeros(self.num_rows, dtype=np.uint8)
-            for p, hot in enumerate(self.plans):
-                self.hot_bits[hot.numpy()] |= np.uint8(1 << p)
-        if self.plans:
-            self.make_resident(self.plans[0], transfer)
+        if self.runs is not None:
+            self.make_resident(self.runs.get(0), transfer)
 
     def phase_of(self, index: int) -> int:
         """The run of the epoch that its batch ``index`` is in (:meth:`begin_split`)."""
@@ -417,8 +416,8 @@ class TableCache:
         """Before the epoch's batch ``index`` is read (in batch order, on the stream that reads
         it): install its run's hot set where the batch before was in another run."""
         phase = self.phase_of(index)
-        if phase != self.phase and len(self.plans) > 1:
-            self.make_resident(self.plans[phase], transfer, on_current=True)
+        if phase != self.phase and self.runs is not None and self.runs.count > 1:
+            self.make_resident(self.runs.get(phase), transfer, on_current=True)
         self.phase = phase
 
     def install(self, uses: torch.Tensor, transfer: TransferStream) -> None:
@@ -559,33 +558,6 @@ def check_table(name: str, spec: CacheTable) -> None:
     if spec.mapped and not data.is_contiguous():
         raise CacheError(f"table {name!r} is declared mapped=True but is not contiguous (strides "
                          f"{tuple(data.stride())}); pass the mapping itself, not a strided view")
-
-
-def _phase_plans(used: torch.Tensor, phases: int, capacity: int) -> List[torch.Tensor]:
-    """The hot sets of an epoch in ``phases`` runs from the last epoch's uses ``[P', rows]``: run
-    ``p`` takes the uses of the last epoch's runs that fall in it (or the one it falls in), its
-    most used rows first, then the whole epoch's, up to ``capacity``. One hot set of the whole
-    epoch where runs are not asked for or the last epoch used fewer rows than ``capacity``."""
-    def summed(lo: int, hi: int) -> torch.Tensor:  # uses of the last epoch's runs lo..hi-1
-        # NumPy's reduction: torch's, widened to int64, took 13 s for 8 x 50 M rows on 2 cores
-        return used[lo] if hi == lo + 1 else torch.from_numpy(used.numpy()[lo:hi].sum(0, dtype=np.int64))
-
-    used = used if used.dim() > 1 else used[None]
-    last = used.shape[0]
-    total = hot_set(summed(0, last), capacity)
-    if phases == 1 or capacity <= 0 or total.numel() < capacity:
-        return [total]
-    plans, mine = [], np.zeros(used.shape[1], dtype=bool)
-    for p in range(phases):
-        # the last epoch's runs that start in run p of this one (consecutive), else the one it falls in
-        lo, hi = -(-p * last // phases), -(-(p + 1) * last // phases)
-        hot = hot_set(summed(lo, hi) if hi > lo else used[p * last // phases], capacity)
-        if hot.numel() < capacity:  # filled with the epoch's most used rows it lacks
-            mine[hot.numpy()] = True
-            hot = torch.cat([hot, total[~torch.from_numpy(mine[total.numpy()])]])[:capacity]
-            mine[:] = False
-        plans.append(hot)
-    return plans
 
 
 def admitted_first(admit_sel: np.ndarray, m: int) -> np.ndarray:

@@ -693,7 +693,7 @@ def test_hot_set_runs_need_a_batch_each_and_fall_back_to_one_hot_set():
     for i, ids in enumerate(stream):
         cache.serve("edge", Unique.of(ids).values.clamp(min=0), unique=Unique.of(ids), index=i)
     cache.begin_epoch("train", 3, len(stream))
-    assert t.phases == 3 and len(t.plans) == 1 and t.hot_bits is None  # every used row fits
+    assert t.phases == 3 and t.runs.count == 1 and t.runs.bits is None  # every used row fits
     with pytest.raises(CacheError, match=r"phases must be in \[1, 8\] \(got 9\).*cache.hot_set_phases"):
         cache.begin_epoch("train", 9, 24)
     assert t.phases == 3  # refused before anything changed
@@ -779,7 +779,7 @@ def test_hot_set_is_the_most_used_rows_lower_ids_first_on_ties(counts, capacity,
 def test_run_plans_rank_the_runs_of_the_last_epoch_that_fall_in_them(last, phases, capacity, seed):
     """Run ``p`` of ``phases`` ranks the uses of the last epoch's runs ``r`` (of ``last``) with
     ``r * phases // last == p`` (else the one it falls in), then fills up with the whole epoch's."""
-    from fastopt.runtime.table_cache import _phase_plans
+    from fastopt.runtime.run_plans import RunPlans
 
     used = np.random.default_rng(seed).integers(0, 4, size=(last, 60)).astype(np.int32)
 
@@ -787,12 +787,43 @@ def test_run_plans_rank_the_runs_of_the_last_epoch_that_fall_in_them(last, phase
         return sorted((i for i in range(uses.size) if uses[i] > 0), key=lambda i: (-uses[i], i))[:capacity]
 
     total = ranked(used.sum(0))
-    plans = _phase_plans(torch.from_numpy(used), phases, capacity)
+    runs = RunPlans(torch.from_numpy(used), phases, capacity)
+    plans = runs.all()
     if phases == 1 or capacity == 0 or len(total) < capacity:
         assert [p.tolist() for p in plans] == [total]
         return
     assert len(plans) == phases
     for p, plan in enumerate(plans):
-        runs = [r for r in range(last) if r * phases // last == p] or [p * last // phases]
-        hot = ranked(used[runs].sum(0))
+        theirs = [r for r in range(last) if r * phases // last == p] or [p * last // phases]
+        hot = ranked(used[theirs].sum(0))
         assert plan.tolist() == (hot + [i for i in total if i not in hot])[:capacity]
+        assert np.array_equal(np.flatnonzero(runs.bits & (1 << p)), np.sort(plan.numpy()))  # its bit: its rows
+
+
+def test_run_plans_after_the_first_come_from_a_thread_whose_error_is_raised_where_they_are_waited_for(monkeypatch):
+    """Only run 0's hot set is planned at the epoch's start; a failure planning a later run is
+    raised by whoever waits for that run, and the runs planned before it stay usable."""
+    import threading
+
+    from fastopt.runtime import run_plans
+
+    used = torch.from_numpy(np.random.default_rng(0).integers(1, 4, size=(4, 50)).astype(np.int32))
+    ranked, gate = run_plans.hot_set, threading.Event()
+
+    def slow_then_failing(counts, capacity):
+        if threading.current_thread() is not threading.main_thread():
+            gate.wait()
+            if len(runs._plans) == 2:
+                raise MemoryError("no room for run 2's counts")
+        return ranked(counts, capacity)
+
+    monkeypatch.setattr(run_plans, "hot_set", slow_then_failing)
+    runs = run_plans.RunPlans(used, 4, 10)
+    assert runs.count == 4 and len(runs._plans) == 1 and not runs._ready[1].is_set()  # run 0's alone
+    gate.set()
+    assert runs.get(1).numel() == 10
+    with pytest.raises(MemoryError, match="no room for run 2's counts"):
+        runs.get(2)
+    with pytest.raises(MemoryError):
+        runs.ready(3)
+    runs.join()  # returns: every run is done with, planned or failed
