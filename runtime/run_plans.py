@@ -17,6 +17,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+from fastopt.errors import CacheError
 from fastopt.runtime.cache_policy import hot_set
 
 __all__ = ["RunPlans"]
@@ -65,8 +66,9 @@ class RunPlans:
     def ready(self, p: int) -> None:
         """Wait until run ``p``'s hot set (and its bit in :attr:`bits`) is planned."""
         self._ready[p].wait()
-        if p >= len(self._plans):  # the thread failed before it
-            raise self._error
+        if p >= len(self._plans):  # the thread failed before it: one error each, with its cause
+            raise CacheError(f"planning the hot set of run {p} of {self.count} failed: "
+                             f"{type(self._error).__name__}: {self._error}") from self._error
 
     def join(self) -> None:
         """Wait for every run's hot set (before the uses it reads change)."""

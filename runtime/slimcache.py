@@ -298,6 +298,8 @@ class SlimCache:
         -1 for padding), which the counters and the next hot set count (``counted=False``: a
         lookup outside the epoch, which counts nothing); ``index``: the batch's place in the
         epoch (:meth:`enter`, :meth:`count`)."""
+        if counted:
+            self._table(table).await_run(index)
         with self._lock:  # once for the three steps
             t = self._zero_copy_table(table)
             if counted:
@@ -310,6 +312,7 @@ class SlimCache:
         """Count a zero-copy read of ``unique`` (the unique ids of the epoch's batch ``index``
         on the host, -1 for padding) that :meth:`reader`'s function runs, on whichever stream and
         thread: the counters and the next hot set, as :meth:`serve` counts."""
+        self._table(table).await_run(index)
         with self._lock:
             t = self._zero_copy_table(table)
             t.served(*t.unique_of(unique), index)

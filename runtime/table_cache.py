@@ -397,16 +397,24 @@ class TableCache:
         it; one hot set where the last epoch used fewer rows than the capacity. The first run's
         set is planned here, the others on a thread while it trains (:class:`RunPlans`)."""
         if self.runs is not None:
-            self.runs.join()  # the uses it ranks are replaced below
+            self.runs.join()  # one planning thread per table at a time
         if self.seen is not None and int(self.seen.count_nonzero()):
             self.used[self.split] = self.seen
-        self.phases = phases if 1 < phases <= batches else 1
+        phases = phases if 1 < phases <= batches else 1
         used = self.used.get(split)
-        self.runs = None if used is None else RunPlans(used, self.phases, self.directory.capacity)
-        self.split, self.batches, self.phase = split, batches, 0
+        runs = None if used is None else RunPlans(used, phases, self.directory.capacity)
+        self.runs, self.phases, self.split, self.batches, self.phase = runs, phases, split, batches, 0
         self.seen = torch.zeros(self.phases, self.num_rows, dtype=torch.int32)
         if self.runs is not None:
             self.make_resident(self.runs.get(0), transfer)
+
+    def await_run(self, index: int) -> None:
+        """Wait until the hot set of the run that the epoch's batch ``index`` is in is planned
+        (:class:`RunPlans`; its counts take hits from it): called before the cache's lock is
+        taken, so that a wait for a later run does not hold up batches of the current one."""
+        runs = self.runs
+        if runs is not None and runs.bits is not None:
+            runs.ready(self.phase_of(index))
 
     def phase_of(self, index: int) -> int:
         """The run of the epoch that its batch ``index`` is in (:meth:`begin_split`)."""

@@ -681,6 +681,44 @@ def test_zero_copy_reads_through_a_hot_set_per_run_of_the_epoch(budget):
     assert rates[4] > 1.5 * rates[1] > 0, rates
 
 
+def test_a_count_waiting_for_a_later_runs_hot_set_holds_up_no_batch_of_the_current_run(monkeypatch):
+    """A staging thread counting a batch of a run whose hot set is still being planned waits
+    outside the cache's lock: the current run's counts and installs go on meanwhile."""
+    import threading
+    import time
+
+    from fastopt.runtime import run_plans
+
+    edge, _ = make_tables()
+    stream = [b["edge"] for b in make_stream()]
+    cache = static_cache(edge, BUDGETS["partial"], [{"edge": s} for s in stream], "zero_copy")
+    cache.begin_epoch("train", 4, len(stream))
+    for i, ids in enumerate(stream):
+        cache.count("edge", Unique.of(ids), i)
+    ranked, gate = run_plans.hot_set, threading.Event()
+
+    def gated(counts, capacity):
+        if threading.current_thread().name == "fastopt-hot-sets":
+            gate.wait(timeout=10)
+        return ranked(counts, capacity)
+
+    monkeypatch.setattr(run_plans, "hot_set", gated)
+    cache.begin_epoch("train", 4, len(stream))
+    assert cache._tables["edge"].runs.count == 4
+    last, done = len(stream) - 1, threading.Event()
+    worker = threading.Thread(target=lambda: (cache.count("edge", Unique.of(stream[last]), last), done.set()))
+    try:
+        worker.start()
+        time.sleep(0.2)  # the worker waits for the last run's plan by now
+        cache.count("edge", Unique.of(stream[0]), 0)
+        cache.enter("edge", 0)
+        assert not done.is_set()  # still waiting, without holding up run 0's batch
+    finally:
+        gate.set()
+    worker.join(timeout=30)
+    assert done.is_set()
+
+
 def test_hot_set_runs_need_a_batch_each_and_fall_back_to_one_hot_set():
     """More runs than batches, or a last epoch that used fewer rows than the capacity: one hot
     set for the epoch (its uses still counted per run where there are enough batches)."""
@@ -811,19 +849,22 @@ def test_run_plans_after_the_first_come_from_a_thread_whose_error_is_raised_wher
     ranked, gate = run_plans.hot_set, threading.Event()
 
     def slow_then_failing(counts, capacity):
-        if threading.current_thread() is not threading.main_thread():
-            gate.wait()
+        if threading.current_thread().name == "fastopt-hot-sets":
+            gate.wait(timeout=60)
             if len(runs._plans) == 2:
                 raise MemoryError("no room for run 2's counts")
         return ranked(counts, capacity)
 
     monkeypatch.setattr(run_plans, "hot_set", slow_then_failing)
     runs = run_plans.RunPlans(used, 4, 10)
-    assert runs.count == 4 and len(runs._plans) == 1 and not runs._ready[1].is_set()  # run 0's alone
-    gate.set()
+    try:
+        assert runs.count == 4 and len(runs._plans) == 1 and not runs._ready[1].is_set()  # run 0's alone
+    finally:
+        gate.set()
     assert runs.get(1).numel() == 10
-    with pytest.raises(MemoryError, match="no room for run 2's counts"):
+    with pytest.raises(CacheError, match=r"run 2 of 4 failed: MemoryError: no room for run 2's counts") as err:
         runs.get(2)
-    with pytest.raises(MemoryError):
+    assert isinstance(err.value.__cause__, MemoryError)
+    with pytest.raises(CacheError, match="run 3 of 4"):
         runs.ready(3)
     runs.join()  # returns: every run is done with, planned or failed
