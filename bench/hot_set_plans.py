@@ -6,9 +6,8 @@ last epoch counted (``TableCache.begin_split``), once per run of the epoch with
 every epoch. The script builds use counts shaped like a chronological edge table's (a run of the
 epoch reads its own stretch of events and, less often, any earlier one), times
 ``runtime.run_plans.RunPlans`` per number of runs (at the epoch's start: run 0's; the rest on
-its thread), and checks every plan against a brute
-force ranking (all used rows sorted by count, descending, then id); a plan that differs is
-printed and the script exits with status 1. ``begin_epoch``: the whole epoch start of a zero-copy
+its thread), and checks every plan against a brute force ranking (all used rows sorted by count,
+descending, then id); a plan that differs is printed and the script exits with status 1. ``begin_epoch``: the whole epoch start of a zero-copy
 SlimCache on the CPU (plans, the first run's install, the new counts), checked to leave the
 first run's set in the slots.
 

@@ -71,7 +71,7 @@ class RunPlans:
                              f"{type(self._error).__name__}: {self._error}") from self._error
 
     def join(self) -> None:
-        """Wait for every run's hot set (before the uses it reads change)."""
+        """Wait for every run's hot set (the planning thread done, or failed)."""
         for event in self._ready:
             event.wait()
 
@@ -115,4 +115,3 @@ def _summed(used: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Uses of the runs ``lo..hi-1`` of ``used``, per row."""
     # NumPy's reduction: torch's, widened to int64, took 13 s for 8 x 50 M rows on 2 cores
     return used[lo] if hi == lo + 1 else torch.from_numpy(used[lo:hi].numpy().sum(0, dtype=np.int64))
-

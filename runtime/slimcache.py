@@ -299,12 +299,11 @@ class SlimCache:
         lookup outside the epoch, which counts nothing); ``index``: the batch's place in the
         epoch (:meth:`enter`, :meth:`count`)."""
         if counted:
-            self._table(table).await_run(index)
-        with self._lock:  # once for the three steps
+            self.count(table, unique, index)
+        with self._lock:
             t = self._zero_copy_table(table)
             if counted:
                 t.enter(index, self._transfer)
-                t.served(*t.unique_of(unique), index)
             read = t.read
         return read(ids)
 
