@@ -432,7 +432,8 @@ def test_epoch_profile_pipeline_lines_and_its_checks(monkeypatch, wikipedia, cap
         staging = float(line.split("staging ")[2].split()[0])  # the first is "staging threads"
         finishing = float(line.split("finishing ")[1].split()[0])
         seconds = float(line.split(": ")[1].split()[0])
-        assert 0 < sampling < seconds and 0 <= staging < seconds and 0 < finishing < seconds
+        # finishing a few small batches can print as 0.000 s
+        assert 0 < sampling < seconds and 0 <= staging < seconds and 0 <= finishing < seconds
         assert "minor faults" in line and "padded lengths" in line
     _wrong_attention_gradient(monkeypatch, wrong_backward)
     assert script.main(_EPOCH_ARGS + ["--pipeline", "1"]) == 1
