@@ -256,23 +256,23 @@ class Trainer:
         if self._shape_plan is not None:
             self._shape_plan.save()
 
-    def plan_shapes(self, split: str = "train", epoch: int = 0) -> bool:
+    def plan_shapes(self, split: str = "train", epoch: int = 0, hot_sets: bool = False) -> bool:
         """Raise the padded lengths to those a whole pass over ``split`` reaches, by sampling its
         batches without training (no features read, no step), and save them: the steps that
         follow pad to their final lengths from the first batch, as a steady epoch's do, and
-        capture one step per batch size rather than one each time a length grows. Returns
-        whether it sampled: not without shape plans (the CPU, ``pipeline.shape_plans`` off) nor
-        where an earlier run's lengths were found."""
+        capture one step per batch size rather than one each time a length grows. ``hot_sets``:
+        the pass also counts the uses of the edge rows read zero-copy, so that the epoch reads
+        through the hot sets a steady epoch has, not an empty cache (:meth:`Loader.presample`).
+        Returns whether it sampled: not where neither is needed (no shape plans: the CPU,
+        ``pipeline.shape_plans`` off, an earlier run's lengths found; nothing read zero-copy)."""
         plan = self._shape_plan
-        if plan is None or plan.found:
+        shapes, hot_sets = plan is not None and not plan.found, hot_sets and self.loader.zero_copy
+        if not (shapes or hot_sets):
             return False
-        if self.sampler is not None:
-            self.sampler.reset(epoch)
-        for batch in self.loader.plan(split, epoch):
-            self.loader.sample(batch)
-            self.loader.reserve(batch)
-        plan.save()
-        plan.found = True
+        self.loader.presample(split, epoch, reserve=shapes, foresee=hot_sets)
+        if shapes:
+            plan.save()
+            plan.found = True
         return True
 
     # ----------------------------------------------------------------------------- inputs

@@ -223,10 +223,35 @@ class Loader:
         """Install ``split``'s hot set for zero-copy reads, before the copy stream's next reads;
         training batches the step reads go through ``cache.hot_set_phases`` hot sets in turn
         (:meth:`finish` installs each in the step's stream order)."""
-        phases = self.config.cache.hot_set_phases if self.read_in_step and split == "train" else 1
-        self.cache.begin_epoch(split, phases, self.num_batches(split))
+        self.cache.begin_epoch(split, self._phases(split), self.num_batches(split))
         if self.cuda:
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _phases(self, split: str) -> int:
+        return self.config.cache.hot_set_phases if self.read_in_step and split == "train" else 1
+
+    def presample(self, split: str, epoch: int, reserve: bool = True, foresee: bool = False) -> None:
+        """Sample ``split``'s batches of ``epoch`` without training, as that epoch will (the
+        sampler reset to it): ``reserve`` raises the padded lengths to the pass's
+        (:meth:`reserve`); ``foresee`` counts the uses of the edge rows read zero-copy, from
+        which the epoch's hot sets are then planned (``SlimCache.foresee``; a split's first
+        epoch has no last epoch's uses)."""
+        if self.sampler is not None:
+            self.sampler.reset(epoch)
+        foresee = foresee and self.zero_copy and self.sampler is not None
+
+        def batches():
+            for batch in self.plan(split, epoch):
+                sampled = self.sample(batch)
+                if reserve:
+                    self.reserve(batch)
+                if foresee and sampled is not None and sampled.blocks:
+                    yield batch.index, sampled.unique_eids
+        if foresee:
+            self.cache.foresee("edge", split, batches(), self._phases(split), self.num_batches(split))
+        else:
+            for _ in batches():
+                pass
 
     def inputs_for(self, roots: np.ndarray, times: np.ndarray) -> GraphInputs:
         """The model's inputs for arbitrary ``roots`` at ``times``, built synchronously (rows

@@ -7,20 +7,41 @@ happens at the split's epoch start on the training thread: so only the first run
 planned there, and the others on a thread of their own while the first run trains. Whoever needs
 run ``p``'s set (a staging thread counting one of its batches against it, or its install) waits
 for it (:meth:`RunPlans.get`, :meth:`RunPlans.ready`).
+
+An epoch with no last one (the first) may count its own uses ahead instead, from its batches
+sampled as it will sample them (:func:`uses_per_run`, ``SlimCache.foresee``).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import List, Optional
+from typing import Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from fastopt.errors import CacheError
 from fastopt.runtime.cache_policy import hot_set
+from fastopt.runtime.counting import count_uses
 
-__all__ = ["RunPlans"]
+__all__ = ["RunPlans", "run_of", "uses_per_run"]
+
+
+def run_of(index: int, phases: int, batches: int) -> int:
+    """The run that batch ``index`` of an epoch of ``batches`` in ``phases`` equal runs is in."""
+    return min(phases - 1, max(0, index) * phases // batches) if phases > 1 else 0
+
+
+def uses_per_run(lookups: Iterable[Tuple[int, torch.Tensor, torch.Tensor, int]], phases: int, batches: int,
+                 rows: int) -> torch.Tensor:
+    """Uses per run and row (``[phases, rows]`` int32) of an epoch's lookups, each ``(index,
+    values, inverse, pad)``: batch ``index``'s sorted unique ids (``-1`` first where ``pad``)
+    and its entries' places in them; each valid id is one use in the run of its batch, as the
+    staging threads count an epoch's reads."""
+    seen = np.zeros((phases, rows), dtype=np.int32)
+    for index, values, inverse, pad in lookups:
+        count_uses(values.numpy(), inverse.reshape(-1).numpy(), bool(pad), seen[run_of(index, phases, batches)])
+    return torch.from_numpy(seen)
 
 
 class RunPlans:

@@ -20,7 +20,8 @@ read-write state (node memory, its timestamps, the mailbox). SlimCache serves th
    cached ones from the slots and the rest from the host table by the GPU itself, with no host
    gather, staging or per-batch bookkeeping beyond the counters. The slots hold a static hot set:
    a plan's sample when the caller plans (the loader does not: a split's first epoch starts with
-   the slots empty), then each split's last epoch's rows (:meth:`SlimCache.begin_epoch`).
+   the slots empty, unless its uses were counted ahead: :meth:`SlimCache.foresee`), then each
+   split's last epoch's rows (:meth:`SlimCache.begin_epoch`).
 
 Read-write tables are never lost: a write to a resident row marks its slot dirty, a dirty row is
 copied back before its slot is reused and at :meth:`SlimCache.flush`; a write to a row that is not
@@ -67,6 +68,7 @@ from fastopt.runtime.cache_policy import (
     choose_policy,
     split_budget,
 )
+from fastopt.runtime.run_plans import uses_per_run
 from fastopt.runtime.staging import TransferStream
 from fastopt.runtime.table_cache import (
     CacheCounters,
@@ -322,6 +324,24 @@ class SlimCache:
         its run's resident."""
         with self._lock:
             self._zero_copy_table(table).enter(index, self._transfer)
+
+    def foresee(self, table: str, split: str, lookups: Iterable[tuple], phases: int = 1,
+                batches: int = 0) -> bool:
+        """Count the uses of ``split``'s next epoch ahead of it, from ``lookups``: ``(index,
+        unique)`` per batch (its place in the epoch, its unique ids on the host, -1 for padding),
+        sampled as the epoch will sample them; the epoch's hot sets (:meth:`begin_epoch`, with the
+        same ``phases`` and ``batches``) are then planned from its own uses, not from an epoch
+        before it (a split's first epoch has none). Returns whether a row was used (else the
+        split's uses stay as they were)."""
+        with self._lock:
+            t = self._zero_copy_table(table)
+        phases = phases if 1 < phases <= batches else 1
+        used = uses_per_run(((i, *t.unique_of(u)) for i, u in lookups), phases, batches, t.num_rows)
+        if not bool(used.any()):
+            return False
+        with self._lock:
+            t.used[split] = used
+        return True
 
     def reader(self, table: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """``read(ids)``: rows of zero-copy ``table`` for device ``ids`` in one launch on the

@@ -39,7 +39,7 @@ from fastopt.errors import CacheError
 from fastopt.runtime.blocks import Unique
 from fastopt.runtime.cache_policy import AccessPlan, SlotDirectory, hot_set, make_policy
 from fastopt.runtime.counting import count_uses
-from fastopt.runtime.run_plans import RunPlans
+from fastopt.runtime.run_plans import RunPlans, run_of
 from fastopt.runtime.staging import HostGatherer, StagingBuffers, TransferStream, pack_tensors, unpack_tensors
 
 # Rows a hot-set install loads per staging buffer (a cache of millions of slots is filled in parts).
@@ -419,7 +419,7 @@ class TableCache:
 
     def phase_of(self, index: int) -> int:
         """The run of the epoch that its batch ``index`` is in (:meth:`begin_split`)."""
-        return min(self.phases - 1, max(0, index) * self.phases // self.batches) if self.phases > 1 else 0
+        return run_of(index, self.phases, self.batches)
 
     def enter(self, index: int, transfer: TransferStream) -> None:
         """Before the epoch's batch ``index`` is read (in batch order, on the stream that reads

@@ -15,7 +15,10 @@ its kernels specialized) once per run, a cost no later epoch pays (the first tri
 timed 24 ms a step with it, against 1.5 ms). Before them the trainer plans its padded lengths
 (:meth:`~fastopt.trainer.Trainer.plan_shapes`: one sampling pass, no training), so that the
 window's steps run at a steady epoch's shapes; else the first epoch's lengths grow as the history
-fills and the window times a capture every few steps. A step is timed from the end of one step to the end of the next,
+fills and the window times a capture every few steps. The same pass counts the uses of the edge
+rows a trial reads zero-copy from host memory, so that its window reads through the hot sets a
+steady epoch has: a first epoch has no last epoch's uses to plan them from, and read every row
+over the bus (the cache's budget and ``cache.hot_set_phases`` changed nothing it timed). A step is timed from the end of one step to the end of the next,
 so a step that waits for the loader counts the wait: the pipeline knobs matter. On CUDA the marks
 are CUDA events recorded on the stream (one synchronize at the end of the window, none per
 step); on the CPU, wall time. The value minimized is that mean times the training batches of an
@@ -253,8 +256,8 @@ def measure_window(trainer, window: Window,
     device = trainer.device
     start, warm = time.perf_counter(), None
     plan = getattr(trainer, "plan_shapes", None)
-    if plan is not None:  # pad to a steady epoch's lengths: one capture per batch size, not one per growth
-        plan()
+    if plan is not None:  # a steady epoch's lengths (one capture per batch size, not one per growth)
+        plan(hot_sets=True)  # and hot sets (zero-copy reads): the first epoch has no last one's
     marks, half, skip = _Marks(device), (timed // 2 if checkpoint else 0), None
     if marks.cuda:
         torch.cuda.reset_peak_memory_stats(device)

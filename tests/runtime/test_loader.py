@@ -321,6 +321,41 @@ def test_training_reads_left_to_the_step_go_through_a_hot_set_per_run(small_grap
     assert rates[4] > rates[1], rates
 
 
+@pytest.mark.parametrize("phases", [1, 4])
+def test_uses_counted_ahead_are_those_the_epoch_counts_and_give_its_first_epoch_hot_sets(small_graph, monkeypatch,
+                                                                                         phases):
+    """``Loader.presample(foresee=True)`` samples an epoch's batches without staging them and
+    counts their zero-copy uses per run: the counts equal those the epoch itself then counts
+    while it trains, bit for bit, and the first epoch reads through hot sets planned from them
+    (hits, where a first epoch otherwise starts with empty slots). Without zero-copy reads it
+    counts nothing."""
+    import types
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    hits = {}
+    for foresee in (False, True):
+        loader = _staged_as_on_cuda(monkeypatch, small_graph, "in_step", edge_rows=True)
+        loader.config.cache.hot_set_phases = phases
+        loader._copy_stream = types.SimpleNamespace(wait_stream=lambda stream: None)
+        table = loader.cache._table("edge")
+        loader.presample("train", 0, reserve=False, foresee=foresee)
+        assert ("train" in table.used) == foresee
+        ahead = table.used.get("train")
+        loader.sampler.reset(0)  # as the trainer starts an epoch
+        loader.begin_epoch("train")
+        for batch in loader.plan("train", 0):
+            staged = loader.stage(batch)
+            staged.event = None
+            loader.finish(staged).read()
+        hits[foresee] = loader.cache.counters("edge").hits
+        if foresee:
+            assert ahead.shape == (phases, small_graph.num_events) and torch.equal(ahead, table.seen)
+    assert hits[False] == 0 < hits[True], hits
+    plain = _staged_as_on_cuda(monkeypatch, small_graph, "host", edge_rows=True)  # no cache here
+    assert not plain.zero_copy and plain.cache is None
+    plain.presample("train", 0, reserve=False, foresee=True)  # no hot sets to plan, nothing asked of a cache
+
+
 @pytest.fixture
 def mapped_graph(tmp_path, small_graph):
     """:func:`small_graph` written as a graph folder and read back memory-mapped."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 
 from fastopt.runtime.inputs import HighWater, bucket
@@ -60,6 +62,12 @@ def test_the_cpu_trainer_keeps_no_plan(small_graph):
     cfg.train.device, cfg.train.mrr_negatives = "cpu", 0
     t = Trainer(build_model("tgat", small_graph, dim=8, time_dim=4, fanouts=(3, 2)), small_graph, cfg, progress=False)
     assert t._shape_plan is None and not t.plan_shapes()  # nothing is padded on the CPU
+    assert not t.plan_shapes(hot_sets=True)  # nor read zero-copy
+    # a loader reading rows zero-copy: one pass counting the uses for the first epoch's hot sets
+    calls = []
+    t.loader = types.SimpleNamespace(zero_copy=True, presample=lambda *a, **kw: calls.append((a, kw)))
+    assert t.plan_shapes(hot_sets=True) and not t.plan_shapes()
+    assert calls == [(("train", 0), {"reserve": False, "foresee": True})]
 
 
 def test_a_shape_plan_seeds_its_high_waters_and_saves_them(tmp_path):

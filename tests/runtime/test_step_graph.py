@@ -390,3 +390,31 @@ def test_planned_lengths_are_a_whole_epochs_and_its_steps_capture_once(small_gra
     planned.train_epoch(0)
     assert planned.step_graphs.signatures <= 2 and trained.step_graphs.captures >= planned.step_graphs.captures
     assert planned.step_graphs.captures <= 2 and planned.step_graphs.disabled is None
+
+
+@pytest.mark.parametrize("phases", [1, 4])
+def test_uses_counted_ahead_give_the_first_epoch_the_hot_sets_it_uses(small_graph, phases):
+    """``plan_shapes(hot_sets=True)`` (what a tuner trial runs before its window) counts the
+    zero-copy uses of the first epoch ahead of it: the epoch counts the same uses, bit for bit,
+    and reads through hot sets planned from them (hits, where it otherwise starts with empty
+    slots); its losses are those of the epoch without them (the same rows, read elsewhere)."""
+    runs = []
+    for ahead in (False, True):
+        cfg = Config()
+        cfg.train.device, cfg.train.batch_size, cfg.train.mrr_negatives = "cuda", 200, 0
+        cfg.pipeline.shape_plans = False
+        cfg.cache.placement, cfg.cache.host_reads, cfg.cache.budget_fraction = "host", "zero_copy", 0.2
+        cfg.cache.read_in_step, cfg.cache.hot_set_phases = True, phases
+        torch.manual_seed(0)
+        t = Trainer(build_model("tgn", small_graph, dropout=0.0, memory_dim=16, dim=16, time_dim=8), small_graph, cfg,
+                    progress=False)
+        assert t.plan_shapes(hot_sets=ahead) == ahead
+        table = t.loader.cache._table("edge")
+        counted = table.used["train"].clone() if ahead else None
+        losses = [float(loss) for loss in t.train_steps(0)]
+        if ahead:
+            assert torch.equal(counted, table.seen)
+        runs.append((losses, t.loader.cache.counters("edge").hits))
+    (plain, cold), (planned, warm) = runs
+    assert cold == 0 < warm, (cold, warm)
+    torch.testing.assert_close(plain, planned, rtol=1e-4, atol=1e-5)

@@ -365,3 +365,18 @@ def fake_cuda_memory(monkeypatch, *, reserved: int, allocated: int) -> None:
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: reserved)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: allocated)
+
+
+def test_a_window_starts_at_a_steady_epochs_shapes_and_hot_sets(small_graph, config, one_thread, monkeypatch):
+    """Before its window a trial plans the epoch's padded lengths and, where it reads rows
+    zero-copy, the hot sets its first epoch would otherwise lack (``plan_shapes(hot_sets=True)``),
+    then times the epoch it planned."""
+    import fastopt.tuner.objective as objective
+    from fastopt.tuner.study import default_trainer
+
+    trainer, events = default_trainer("tgn", small_graph)(config), []
+    plan, steps = trainer.plan_shapes, trainer.train_steps
+    monkeypatch.setattr(trainer, "plan_shapes", lambda **kw: events.append(("plan", kw)) or plan(**kw))
+    monkeypatch.setattr(trainer, "train_steps", lambda epoch: events.append(("train", epoch)) or steps(epoch))
+    objective.measure_window(trainer, WINDOW)
+    assert events == [("plan", {"hot_sets": True}), ("train", 0)]
