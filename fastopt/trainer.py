@@ -261,19 +261,19 @@ class Trainer:
         batches without training (no features read, no step), and save them: the steps that
         follow pad to their final lengths from the first batch, as a steady epoch's do, and
         capture one step per batch size rather than one each time a length grows. ``hot_sets``:
-        the pass also counts the uses of the edge rows read zero-copy, so that the epoch reads
-        through the hot sets a steady epoch has, not an empty cache (:meth:`Loader.presample`).
-        Returns whether it sampled: not where neither is needed (no shape plans: the CPU,
-        ``pipeline.shape_plans`` off, an earlier run's lengths found; nothing read zero-copy)."""
+        a pass over the next epoch's draws counts the uses of the edge rows read zero-copy: the
+        epoch reads through hot sets planned, as a steady epoch's are, from another epoch's uses
+        (:meth:`Loader.presample`), not an empty cache.
+        Returns whether it sampled (not without shape plans to make nor zero-copy reads)."""
         plan = self._shape_plan
         shapes, hot_sets = plan is not None and not plan.found, hot_sets and self.loader.zero_copy
-        if not (shapes or hot_sets):
-            return False
-        self.loader.presample(split, epoch, reserve=shapes, foresee=hot_sets)
         if shapes:
+            self.loader.presample(split, epoch)
             plan.save()
             plan.found = True
-        return True
+        if hot_sets and self.sampler is not None:  # another epoch's draws, as a steady epoch's are
+            self.loader.presample(split, epoch + 1, reserve=False, foresee=True)
+        return shapes or (hot_sets and self.sampler is not None)
 
     # ----------------------------------------------------------------------------- inputs
     def build_inputs(self, roots: np.ndarray, times: np.ndarray) -> GraphInputs:

@@ -239,6 +239,9 @@ class Loader:
         if self.sampler is not None:
             self.sampler.reset(epoch)
         foresee = foresee and self.zero_copy and self.sampler is not None
+        # without reserve the pass leaves the lengths as they are: the sampler's own (pad_rows) too
+        high_water = None if reserve else getattr(self.sampler, "high_water", None)
+        kept = None if high_water is None else dict(high_water.lengths)
 
         def batches():
             for batch in self.plan(split, epoch):
@@ -247,11 +250,15 @@ class Loader:
                     self.reserve(batch)
                 if foresee and sampled is not None and sampled.blocks:
                     yield batch.index, sampled.unique_eids
-        if foresee:
-            self.cache.foresee("edge", split, batches(), self._phases(split), self.num_batches(split))
-        else:
-            for _ in batches():
-                pass
+        try:
+            if foresee:
+                self.cache.foresee("edge", split, batches(), self._phases(split), self.num_batches(split))
+            else:
+                for _ in batches():
+                    pass
+        finally:
+            if kept is not None:
+                high_water.lengths = kept
 
     def inputs_for(self, roots: np.ndarray, times: np.ndarray) -> GraphInputs:
         """The model's inputs for arbitrary ``roots`` at ``times``, built synchronously (rows

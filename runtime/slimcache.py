@@ -330,9 +330,10 @@ class SlimCache:
         """Count the uses of ``split``'s next epoch ahead of it, from ``lookups``: ``(index,
         unique)`` per batch (its place in the epoch, its unique ids on the host, -1 for padding),
         sampled as the epoch will sample them; the epoch's hot sets (:meth:`begin_epoch`, with the
-        same ``phases`` and ``batches``) are then planned from its own uses, not from an epoch
-        before it (a split's first epoch has none). Returns whether a row was used (else the
-        split's uses stay as they were)."""
+        same ``phases`` and ``batches``) are then planned from them, not from an epoch before it
+        (a split's first epoch has none); called between epochs, they replace what the split's
+        current epoch counted. Returns whether a row was used (else the split's uses stay as they
+        were)."""
         with self._lock:
             t = self._zero_copy_table(table)
         phases = phases if 1 < phases <= batches else 1
@@ -341,6 +342,8 @@ class SlimCache:
             return False
         with self._lock:
             t.used[split] = used
+            if t.split == split:  # newer than what the split's current epoch counted: begin_epoch keeps them
+                t.seen = None
         return True
 
     def reader(self, table: str) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -15,10 +15,11 @@ its kernels specialized) once per run, a cost no later epoch pays (the first tri
 timed 24 ms a step with it, against 1.5 ms). Before them the trainer plans its padded lengths
 (:meth:`~fastopt.trainer.Trainer.plan_shapes`: one sampling pass, no training), so that the
 window's steps run at a steady epoch's shapes; else the first epoch's lengths grow as the history
-fills and the window times a capture every few steps. The same pass counts the uses of the edge
-rows a trial reads zero-copy from host memory, so that its window reads through the hot sets a
-steady epoch has: a first epoch has no last epoch's uses to plan them from, and read every row
-over the bus (the cache's budget and ``cache.hot_set_phases`` changed nothing it timed). A step is timed from the end of one step to the end of the next,
+fills and the window times a capture every few steps. Where a trial reads edge rows zero-copy
+from host memory, a pass over the next epoch's draws counts their uses, so that its window reads
+through hot sets planned as a steady epoch's are (from another epoch's uses): a first epoch has
+no last epoch's to plan them from, and read every row over the bus (the cache's budget and
+``cache.hot_set_phases`` changed nothing a trial timed). A step is timed from the end of one step to the end of the next,
 so a step that waits for the loader counts the wait: the pipeline knobs matter. On CUDA the marks
 are CUDA events recorded on the stream (one synchronize at the end of the window, none per
 step); on the CPU, wall time. The value minimized is that mean times the training batches of an

@@ -350,6 +350,11 @@ def test_uses_counted_ahead_are_those_the_epoch_counts_and_give_its_first_epoch_
         hits[foresee] = loader.cache.counters("edge").hits
         if foresee:
             assert ahead.shape == (phases, small_graph.num_events) and torch.equal(ahead, table.seen)
+            # counted between epochs, they replace what the epoch just ended counted
+            loader.presample("train", 1, reserve=False, foresee=True)
+            again = table.used["train"].clone()
+            loader.begin_epoch("train")
+            assert not torch.equal(again, ahead) and torch.equal(table.used["train"], again)
     assert hits[False] == 0 < hits[True], hits
     plain = _staged_as_on_cuda(monkeypatch, small_graph, "host", edge_rows=True)  # no cache here
     assert not plain.zero_copy and plain.cache is None

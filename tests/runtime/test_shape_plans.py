@@ -63,11 +63,11 @@ def test_the_cpu_trainer_keeps_no_plan(small_graph):
     t = Trainer(build_model("tgat", small_graph, dim=8, time_dim=4, fanouts=(3, 2)), small_graph, cfg, progress=False)
     assert t._shape_plan is None and not t.plan_shapes()  # nothing is padded on the CPU
     assert not t.plan_shapes(hot_sets=True)  # nor read zero-copy
-    # a loader reading rows zero-copy: one pass counting the uses for the first epoch's hot sets
+    # a loader reading rows zero-copy: a pass counting uses for the first epoch's hot sets
     calls = []
     t.loader = types.SimpleNamespace(zero_copy=True, presample=lambda *a, **kw: calls.append((a, kw)))
     assert t.plan_shapes(hot_sets=True) and not t.plan_shapes()
-    assert calls == [(("train", 0), {"reserve": False, "foresee": True})]
+    assert calls == [(("train", 1), {"reserve": False, "foresee": True})]  # another epoch's draws
 
 
 def test_a_shape_plan_seeds_its_high_waters_and_saves_them(tmp_path):

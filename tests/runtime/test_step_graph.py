@@ -395,9 +395,9 @@ def test_planned_lengths_are_a_whole_epochs_and_its_steps_capture_once(small_gra
 @pytest.mark.parametrize("phases", [1, 4])
 def test_uses_counted_ahead_give_the_first_epoch_the_hot_sets_it_uses(small_graph, phases):
     """``plan_shapes(hot_sets=True)`` (what a tuner trial runs before its window) counts the
-    zero-copy uses of the first epoch ahead of it: the epoch counts the same uses, bit for bit,
-    and reads through hot sets planned from them (hits, where it otherwise starts with empty
-    slots); its losses are those of the epoch without them (the same rows, read elsewhere)."""
+    zero-copy uses of another epoch's draws ahead of the first epoch, which reads through hot sets
+    planned from them (hits, where it otherwise starts with empty slots) and counts as many
+    requests; its losses are those of the epoch without them (the same rows, read elsewhere)."""
     runs = []
     for ahead in (False, True):
         cfg = Config()
@@ -409,12 +409,9 @@ def test_uses_counted_ahead_give_the_first_epoch_the_hot_sets_it_uses(small_grap
         t = Trainer(build_model("tgn", small_graph, dropout=0.0, memory_dim=16, dim=16, time_dim=8), small_graph, cfg,
                     progress=False)
         assert t.plan_shapes(hot_sets=ahead) == ahead
-        table = t.loader.cache._table("edge")
-        counted = table.used["train"].clone() if ahead else None
+        assert ("train" in t.loader.cache._table("edge").used) == ahead
         losses = [float(loss) for loss in t.train_steps(0)]
-        if ahead:
-            assert torch.equal(counted, table.seen)
-        runs.append((losses, t.loader.cache.counters("edge").hits))
+        runs.append((losses, t.loader.cache.counters("edge")))
     (plain, cold), (planned, warm) = runs
-    assert cold == 0 < warm, (cold, warm)
+    assert cold.hits == 0 < warm.hits and cold.requested == warm.requested, (cold, warm)
     torch.testing.assert_close(plain, planned, rtol=1e-4, atol=1e-5)
