@@ -208,6 +208,7 @@ class TableCache:
         # hot sets per run of the epoch's batches (begin_split's phases): their plans (with one
         # bit per run and row, what the counts take as hits), the run installed
         self.phases, self.batches, self.phase = 1, 0, 0
+        self.counted = 0  # batches the current epoch counted uses of
         self.runs: Optional[RunPlans] = None
 
     @property
@@ -259,6 +260,7 @@ class TableCache:
         epoch's hot set of its run."""
         phase = self.phase_of(index)
         seen = self.seen[phase].numpy() if announced and self.seen is not None else None
+        self.counted += seen is not None
         hot = None
         if slot_of is not None and self.runs is not None and self.runs.bits is not None:
             self.runs.ready(phase)
@@ -390,7 +392,8 @@ class TableCache:
 
     def begin_split(self, split: str, transfer: TransferStream, phases: int = 1, batches: int = 0) -> None:
         """Start an epoch of ``split`` (a static hot set): keep the uses counted in the epoch
-        before, and make the hot set the rows ``split``'s last epoch used most (kept where it has
+        before (not where it was left before counting its ``batches`` and its split has a whole
+        epoch's), and make the hot set the rows ``split``'s last epoch used most (kept where it has
         none yet). ``phases`` > 1: the epoch's ``batches`` in that many runs of equal length, each
         with the hot set of the same run of the last epoch (:meth:`enter` installs them in turn),
         filled up to the capacity with the epoch's most used rows so that the slots hold exactly
@@ -398,12 +401,15 @@ class TableCache:
         set is planned here, the others on a thread while it trains (:class:`RunPlans`)."""
         if self.runs is not None:
             self.runs.join()  # one planning thread per table at a time
-        if self.seen is not None and int(self.seen.count_nonzero()):
+        # an epoch left early (a window of it) keeps the uses of the split's last whole epoch
+        whole = self.counted >= self.batches or self.split not in self.used
+        if self.seen is not None and whole and int(self.seen.count_nonzero()):
             self.used[self.split] = self.seen
         phases = phases if 1 < phases <= batches else 1
         used = self.used.get(split)
         runs = None if used is None else RunPlans(used, phases, self.directory.capacity)
         self.runs, self.phases, self.split, self.batches, self.phase = runs, phases, split, batches, 0
+        self.counted = 0
         # zeroed lazily by the OS (calloc): torch.zeros wrote all of [8, 50 M] here, 0.4-3 s
         self.seen = torch.from_numpy(np.zeros((self.phases, self.num_rows), dtype=np.int32))
         if self.runs is not None:

@@ -681,6 +681,31 @@ def test_zero_copy_reads_through_a_hot_set_per_run_of_the_epoch(budget):
     assert rates[4] > 1.5 * rates[1] > 0, rates
 
 
+def test_an_epoch_left_early_keeps_the_uses_of_the_splits_last_whole_epoch():
+    """The next epoch's hot sets come from the split's last whole epoch: an epoch left after a
+    few of its batches (a window of it) does not replace those uses; a split's first epoch, left
+    early, gives what it counted (nothing better is known)."""
+    edge, _ = make_tables()
+    stream = [b["edge"] for b in make_stream()]
+    cache = static_cache(edge, BUDGETS["partial"], [{"edge": s} for s in stream], "zero_copy")
+    table = cache._table("edge")
+
+    def epoch(batches: int) -> None:
+        cache.begin_epoch("train", 1, len(stream))
+        for i, ids in enumerate(stream[:batches]):
+            cache.count("edge", Unique.of(ids), i)
+
+    epoch(2)  # the first, left early
+    first = table.seen.clone()
+    epoch(len(stream))
+    assert torch.equal(table.used["train"], first)
+    whole = table.seen.clone()
+    epoch(2)
+    assert torch.equal(table.used["train"], whole)
+    cache.begin_epoch("train", 1, len(stream))  # after the window: the whole epoch's uses still
+    assert torch.equal(table.used["train"], whole) and not torch.equal(whole, first)
+
+
 def test_a_count_waiting_for_a_later_runs_hot_set_holds_up_no_batch_of_the_current_run(monkeypatch):
     """A staging thread counting a batch of a run whose hot set is still being planned waits
     outside the cache's lock: the current run's counts and installs go on meanwhile."""
