@@ -42,6 +42,9 @@
 # "window": bench/tune_window.py per WINDOW_MODELS (see the step). "pipe": epochs as fit runs them
 # per placement, with the threads' seconds (bench/epoch_profile.py --pipeline; PIPE_VARIANTS: env
 # settings each run the same way, see the step).
+# "readcost": bench/read_cost.py for TGN: each edge-feature read path's kernel time per batch
+# (device table, zero-copy through a hot set of 0, 10 and 100 % of the rows; with the per-slot
+# expansion too; readcost.{log,json}, under READCOST_S seconds).
 # A call returns at most 8 files from OUT: give steps that write many their own call.
 set -u
 export PYTHONUNBUFFERED=1
@@ -192,6 +195,11 @@ if [[ " $STEPS " == *" hostprof "* ]]; then
         echo "== $p"; grep -E "^(warm-up|profiled)" "$OUT/profile-$p.log"; grep -A12 "^device idle" "$OUT/profile-$p.log"
         grep -A15 "^CUDA API" "$OUT/profile-$p.log"
     done
+fi
+if [[ " $STEPS " == *" readcost "* ]]; then
+    timeout "${READCOST_S:-90}" python3 bench/read_cost.py --model tgn --budgets 0 0.1 1 \
+        --json "$OUT/readcost.json" > "$OUT/readcost.log" 2>&1
+    grep -vE "Warning|return TemporalSampler" "$OUT/readcost.log"
 fi
 if [[ " $STEPS " == *" factor "* ]]; then
     for f in off auto; do

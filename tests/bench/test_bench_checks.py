@@ -494,3 +494,35 @@ def test_cache_directory_bench_passes_and_fails_when_the_ranking_is_wrong(monkey
     monkeypatch.setattr(RankedSlots, "largest", smallest)
     assert script.main(args) == 1
     assert "WRONG RESULT: future 3000 slots" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- bench/read_cost.py
+def test_read_cost_bench_passes_and_fails_on_wrong_rows(monkeypatch, wikipedia, tmp_path, capsys):
+    """The read-cost bench times each path's reads of the same batches and checks every path's
+    rows against the device table's: equal rows pass (a row per path, per slot for TGN); a
+    zero-copy read that returns one row wrong fails with status 1."""
+    import types
+
+    from fastopt.data import TemporalGraph
+
+    script = load("read_cost")
+    small = TemporalGraph(wikipedia.src[:1500], wikipedia.dst[:1500], wikipedia.ts[:1500], wikipedia.num_nodes,
+                          name="wikipedia-head")
+    monkeypatch.setattr(script, "load_dataset", lambda name, edge_dim: small.with_random_features(edge_dim=edge_dim))
+    monkeypatch.setattr(script, "write_record", _record)
+    argv = ["--device", "cpu", "--batch-size", "200", "--edge-dim", "6", "--budgets", "0", "0.5",
+            "--json", str(tmp_path / "read.json")]
+    assert script.main(argv) == 0
+    rows = json.loads((tmp_path / "read.json").read_text())["results"]
+    assert [r["path"] for r in rows] == ["device", "device + per slot", "zero_copy@0", "zero_copy@0 + per slot",
+                                         "zero_copy@0.5", "zero_copy@0.5 + per slot"]
+    assert all(r["seconds"] > 0 for r in rows)
+    capsys.readouterr()
+    real = script.cached_rows
+
+    def bind(slot_map, slots, table):
+        read = real.bind(slot_map, slots, table)
+        return lambda ids: read(ids) + (ids == ids.max()).unsqueeze(1)  # one row off by one
+    monkeypatch.setattr(script, "cached_rows", types.SimpleNamespace(bind=bind))
+    assert script.main(argv) == 1
+    assert "WRONG RESULT: zero_copy@0's rows of batch" in capsys.readouterr().out
