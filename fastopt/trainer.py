@@ -266,14 +266,14 @@ class Trainer:
         (:meth:`Loader.presample`), not an empty cache.
         Returns whether it sampled (not without shape plans to make nor zero-copy reads)."""
         plan = self._shape_plan
-        shapes, hot_sets = plan is not None and not plan.found, hot_sets and self.loader.zero_copy
+        shapes, hot_sets = plan is not None and not plan.found, hot_sets and self.loader.zero_copy and self.sampler is not None
         if shapes:
             self.loader.presample(split, epoch)
             plan.save()
             plan.found = True
-        if hot_sets and self.sampler is not None:  # another epoch's draws, as a steady epoch's are
+        if hot_sets:  # another epoch's draws, as a steady epoch's are
             self.loader.presample(split, epoch + 1, reserve=False, foresee=True)
-        return shapes or (hot_sets and self.sampler is not None)
+        return shapes or hot_sets
 
     # ----------------------------------------------------------------------------- inputs
     def build_inputs(self, roots: np.ndarray, times: np.ndarray) -> GraphInputs:

@@ -356,6 +356,15 @@ def test_uses_counted_ahead_are_those_the_epoch_counts_and_give_its_first_epoch_
             loader.begin_epoch("train")
             assert not torch.equal(again, ahead) and torch.equal(table.used["train"], again)
     assert hits[False] == 0 < hits[True], hits
+    # a pass that reserves nothing leaves the sampler's own padded lengths (pad_rows) as they were
+    from fastopt.runtime.inputs import HighWater
+
+    sampler, sample = loader.sampler, loader.sampler.sample
+    sampler.high_water = HighWater()
+    sampler.high_water.seed({"nodes": 4})
+    monkeypatch.setattr(sampler, "sample", lambda *a, **kw: sampler.high_water("nodes", 10_000) and sample(*a, **kw))
+    loader.presample("train", 2, reserve=False, foresee=True)
+    assert sampler.high_water.lengths == {"nodes": 4}
     plain = _staged_as_on_cuda(monkeypatch, small_graph, "host", edge_rows=True)  # no cache here
     assert not plain.zero_copy and plain.cache is None
     plain.presample("train", 0, reserve=False, foresee=True)  # no hot sets to plan, nothing asked of a cache
